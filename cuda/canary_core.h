@@ -1,0 +1,495 @@
+// canary_core.h: ALL per-entry logic of jax_kvcanary, shared by the CPU handlers (g++) and the CUDA
+// kernels (nvcc). Nothing here allocates, syncs or knows about XLA: the launchers own the loops,
+// the ring append protocol and the buffers. See ../../shared/KVCANARY_SPEC.md (sections cited below).
+//
+// Every integer constant and enum mirrors jax_kvcanary/consts.py (tests/test_consts.py compares).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define KVC_HD __host__ __device__ __forceinline__
+#else
+#define KVC_HD inline
+#endif
+
+#if !defined(__CUDA_ARCH__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "jax_kvcanary stores little-endian records; big-endian hosts are not supported"
+#endif
+
+namespace kvcanary {
+
+// ---- constants (spec §2.1) ---------------------------------------------------------------------
+constexpr uint64_t CANARY_CHAIN_ANCHOR = 0xC0FFEE1234567890ull;
+constexpr uint64_t CANARY_ANCHOR_HASH = 0xDE7FAE23A9A1B716ull;
+constexpr uint64_t SPLITMIX64_MUL1 = 0xBF58476D1CE4E5B9ull;
+constexpr uint64_t SPLITMIX64_MUL2 = 0x94D049BB133111EBull;
+constexpr int SPLITMIX64_SHIFT1 = 30;
+constexpr int SPLITMIX64_SHIFT2 = 27;
+constexpr int SPLITMIX64_SHIFT3 = 31;
+constexpr int64_t REQ_POOL_IDX_PADDING = 0;
+constexpr int64_t TOKEN_TO_KV_SLOT_PADDING = 0;
+constexpr int64_t CANARY_FIELDS_PER_SLOT = 4;
+constexpr int64_t CANARY_FIELD_TOKEN = 0;
+constexpr int64_t CANARY_FIELD_POSITION = 1;
+constexpr int64_t CANARY_FIELD_PREV_HASH = 2;
+constexpr int64_t CANARY_FIELD_REAL_KV_HASH = 3;
+constexpr int64_t CANARY_SLOT_BYTES = 32;
+constexpr int64_t VIOLATION_FIELDS = 8;
+constexpr int64_t VIOLATION_FIELD_KERNEL_KIND = 0;
+constexpr int64_t VIOLATION_FIELD_SLOT_IDX = 1;
+constexpr int64_t VIOLATION_FIELD_POSITION = 2;
+constexpr int64_t VIOLATION_FIELD_STORED_TOKEN = 3;
+constexpr int64_t VIOLATION_FIELD_EXPECTED_TOKEN = 4;
+constexpr int64_t VIOLATION_FIELD_STORED_CHAIN_HASH = 5;
+constexpr int64_t VIOLATION_FIELD_EXPECTED_AUX = 6;
+constexpr int64_t VIOLATION_FIELD_FAIL_REASON_BITS = 7;
+constexpr int64_t VIOLATION_ROW_BYTES = 64;
+constexpr int64_t COUNTER_BYTES = 8;
+constexpr int64_t MAX_REAL_KV_SOURCES = 4;
+constexpr int64_t REAL_KV_SOURCE_FIELDS_PER_ENTRY = 3;
+constexpr int64_t REAL_KV_SOURCE_FIELD_PAGE_SIZE = 0;
+constexpr int64_t REAL_KV_SOURCE_FIELD_NUM_BYTES_PER_TOKEN = 1;
+constexpr int64_t REAL_KV_SOURCE_FIELD_READ_BYTES = 2;
+constexpr int64_t REAL_KV_CHUNK_BYTES = 16;
+constexpr int64_t REAL_KV_PARTIAL_BYTES = 16;
+constexpr int64_t NUM_LAUNCH_TAGS = 12;
+constexpr int64_t DEFAULT_RING_CAPACITY = 1024;
+constexpr int64_t WRITE_INDEX_MAX = 2147483647;
+
+// ---- enums (spec §2.2-§2.5) --------------------------------------------------------------------
+enum class FailReason : int64_t {
+  VERIFY_CHAIN_HASH_MISMATCH = 1,
+  VERIFY_POSITION_MISMATCH = 2,
+  VERIFY_REAL_KV_HASH_MISMATCH = 4,
+  WRITE_TOKEN_MISMATCH = 8,
+  WRITE_POSITION_MISMATCH = 16,
+  VERIFY_TOKEN_MISMATCH = 32,
+  INDEX_OUT_OF_RANGE = 64,
+};
+
+enum class LaunchTag : int64_t {
+  HEAD_K_FULL = 0,
+  HEAD_V_FULL = 1,
+  TAIL_K_FULL = 2,
+  TAIL_V_FULL = 3,
+  SWEEP_K_FULL = 4,
+  SWEEP_V_FULL = 5,
+  HEAD_K_SWA = 6,
+  HEAD_V_SWA = 7,
+  TAIL_K_SWA = 8,
+  TAIL_V_SWA = 9,
+  SWEEP_K_SWA = 10,
+  SWEEP_V_SWA = 11,
+};
+
+enum class RealKvHashMode : int32_t {
+  NONE = 0,
+  PARTIAL = 1,
+  ALL = 2,
+};
+
+enum class IndexKind : int64_t {
+  WRITE_SLOT = 1,
+  WRITE_SEED = 2,
+  VERIFY_SLOT = 3,
+  VERIFY_PREV = 4,
+  REAL_KV_SOURCE_0 = 16,
+  REAL_KV_SOURCE_1 = 17,
+  REAL_KV_SOURCE_2 = 18,
+  REAL_KV_SOURCE_3 = 19,
+};
+
+KVC_HD int64_t bits(FailReason r) { return static_cast<int64_t>(r); }
+KVC_HD int64_t code(IndexKind k) { return static_cast<int64_t>(k); }
+
+// ---- hashing (spec §4.1-§4.3) ------------------------------------------------------------------
+KVC_HD uint64_t splitmix64(uint64_t x) {
+  x = (x ^ (x >> SPLITMIX64_SHIFT1)) * SPLITMIX64_MUL1;
+  x = (x ^ (x >> SPLITMIX64_SHIFT2)) * SPLITMIX64_MUL2;
+  return x ^ (x >> SPLITMIX64_SHIFT3);
+}
+
+// Order-sensitive chain step: mix3(prev_hash, token, position).
+KVC_HD uint64_t mix3(uint64_t a, uint64_t b, uint64_t c) {
+  uint64_t h = splitmix64(a);
+  h = splitmix64(h ^ b);
+  return splitmix64(h ^ c);
+}
+
+// ---- little-endian 64-bit loads/stores on byte buffers -----------------------------------------
+KVC_HD int64_t load_i64(const uint8_t* p) {
+  int64_t v;
+  memcpy(&v, p, sizeof(v));
+  return v;
+}
+KVC_HD uint64_t load_u64(const uint8_t* p) {
+  uint64_t v;
+  memcpy(&v, p, sizeof(v));
+  return v;
+}
+KVC_HD void store_i64(uint8_t* p, int64_t v) { memcpy(p, &v, sizeof(v)); }
+
+// ---- index arrays: int32 or int64, widened on read ---------------------------------------------
+struct IndexView {
+  const void* data;
+  bool is64;
+  KVC_HD int64_t operator[](int64_t i) const {
+    return is64 ? static_cast<const int64_t*>(data)[i]
+                : static_cast<int64_t>(static_cast<const int32_t*>(data)[i]);
+  }
+};
+
+KVC_HD int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
+// Wrap-around int64 arithmetic without signed-overflow UB.
+KVC_HD int64_t add_wrap(int64_t a, int64_t b) {
+  return static_cast<int64_t>(static_cast<uint64_t>(a) + static_cast<uint64_t>(b));
+}
+KVC_HD int64_t sub_wrap(int64_t a, int64_t b) {
+  return static_cast<int64_t>(static_cast<uint64_t>(a) - static_cast<uint64_t>(b));
+}
+
+// ---- canary records (spec §3.1) ----------------------------------------------------------------
+struct Record {
+  int64_t token, position, prev_hash, real_kv_hash;
+};
+
+struct CanaryView {
+  uint8_t* data;  // [num_slots, stride]
+  int64_t num_slots;
+  int64_t stride;
+  KVC_HD const uint8_t* slot_ptr(int64_t s) const { return data + s * stride; }
+  KVC_HD Record load(int64_t s) const {  // caller guarantees 0 <= s < num_slots
+    const uint8_t* p = slot_ptr(s);
+    return Record{load_i64(p), load_i64(p + 8), load_i64(p + 16), load_i64(p + 24)};
+  }
+  KVC_HD void store(int64_t s, const Record& r) const {
+    uint8_t* p = data + s * stride;
+    store_i64(p, r.token);
+    store_i64(p + 8, r.position);
+    store_i64(p + 16, r.prev_hash);
+    store_i64(p + 24, r.real_kv_hash);
+  }
+  // successor_hash(s): anchor hash for any s < 0; caller guarantees s < num_slots.
+  KVC_HD uint64_t successor_hash(int64_t s) const {
+    if (s < 0) return splitmix64(CANARY_CHAIN_ANCHOR);
+    const Record r = load(s);
+    return mix3(static_cast<uint64_t>(r.prev_hash), static_cast<uint64_t>(r.token),
+                static_cast<uint64_t>(r.position));
+  }
+};
+
+// ---- real-KV sources (spec §4.4) ---------------------------------------------------------------
+struct RealKvSourceView {
+  const uint8_t* data;  // rows x row_bytes, row-major
+  int64_t rows;
+  int64_t row_bytes;
+  int64_t page_size;
+  int64_t bytes_per_token;
+  int64_t read_bytes;
+};
+
+struct RealKvSources {
+  RealKvSourceView src[MAX_REAL_KV_SOURCES];
+  int32_t count;  // 0..4; 0 whenever mode is NONE
+  int32_t mode;   // RealKvHashMode; NONE whenever count is 0
+  KVC_HD bool active() const { return count > 0 && mode != static_cast<int32_t>(RealKvHashMode::NONE); }
+  KVC_HD int64_t fold_bytes(int k) const {
+    return mode == static_cast<int32_t>(RealKvHashMode::PARTIAL) ? REAL_KV_PARTIAL_BYTES : src[k].read_bytes;
+  }
+  // Index of the first source whose row slot // page_size is out of range, or -1 (slot >= 0).
+  KVC_HD int first_unaddressable(int64_t slot) const {
+    for (int k = 0; k < count; ++k) {
+      if (slot / src[k].page_size >= src[k].rows) return k;
+    }
+    return -1;
+  }
+  KVC_HD const uint8_t* strip(int k, int64_t slot) const {
+    const RealKvSourceView& v = src[k];
+    return v.data + (slot / v.page_size) * v.row_bytes + (slot % v.page_size) * v.bytes_per_token;
+  }
+  // Fold of one source's strip for an addressable slot.
+  KVC_HD uint64_t fold_one(int k, int64_t slot) const {
+    const uint8_t* p = strip(k, slot);
+    const int64_t eff = fold_bytes(k);
+    uint64_t acc = 0;
+    for (int64_t off = 0; off < eff; off += REAL_KV_CHUNK_BYTES) {
+      acc = splitmix64(acc ^ load_u64(p + off));
+      acc = splitmix64(acc ^ load_u64(p + off + 8));
+    }
+    return acc;
+  }
+  // real_kv_hash of an addressable slot (active() must hold).
+  KVC_HD uint64_t hash(int64_t slot) const {
+    uint64_t acc = 0;
+    for (int k = 0; k < count; ++k) acc = splitmix64(acc ^ fold_one(k, slot));
+    return acc;
+  }
+};
+
+// ---- violation rows (spec §3.2, §5.3) ----------------------------------------------------------
+struct Row {
+  int64_t v[VIOLATION_FIELDS];
+};
+
+KVC_HD Row make_row(int64_t tag, int64_t slot, int64_t pos, int64_t stored_tok, int64_t exp_tok,
+                    int64_t chain, int64_t aux, int64_t fail_bits) {
+  return Row{{tag, slot, pos, stored_tok, exp_tok, chain, aux, fail_bits}};
+}
+
+KVC_HD Row oob_row(int64_t tag, int64_t slot, int64_t pos, int64_t tok, int64_t value, IndexKind kind,
+                   int64_t bound) {
+  return make_row(tag, slot, pos, tok, value, code(kind), bound, bits(FailReason::INDEX_OUT_OF_RANGE));
+}
+
+KVC_HD void store_row(uint8_t* ring, int64_t index, const Row& row) {
+  uint8_t* p = ring + index * VIOLATION_ROW_BYTES;
+  for (int c = 0; c < VIOLATION_FIELDS; ++c) store_i64(p + 8 * c, row.v[c]);
+}
+
+// Fill-once append (spec §5.1): row k of a launch goes to base + k when that is inside the ring.
+struct RingAppender {
+  uint8_t* ring;
+  int64_t capacity;
+  int64_t base;  // widened write_index at launch start
+  int64_t count = 0;
+  KVC_HD void operator()(const Row& row) {
+    const int64_t seq = add_wrap(base, count);
+    if (seq >= 0 && seq < capacity) store_row(ring, seq, row);
+    ++count;
+  }
+};
+
+// Counts rows without storing them (count pass of a two-pass launch).
+struct RowCounter {
+  int64_t count = 0;
+  KVC_HD void operator()(const Row&) { ++count; }
+};
+
+// write_index after a launch that produced n rows: saturating at 2^31-1 (spec §5.1).
+KVC_HD int32_t next_write_index(int64_t base, int64_t n) {
+  const int64_t sum = add_wrap(base, n);
+  return static_cast<int32_t>(sum > WRITE_INDEX_MAX ? WRITE_INDEX_MAX : sum);
+}
+
+// Per-tag little-endian int64 counter, wrap-around add (spec §6).
+KVC_HD void counter_add(uint8_t* counters, int64_t tag, int64_t delta) {
+  uint8_t* p = counters + tag * COUNTER_BYTES;
+  store_i64(p, add_wrap(load_i64(p), delta));
+}
+
+// ---- VERIFY: one entry (spec §8.3) -------------------------------------------------------------
+struct VerifyArgs {
+  CanaryView canary;
+  IndexView slots, tokens, positions, prevs;
+  bool check_token;
+  RealKvSources sources;
+  int64_t tag;
+};
+
+KVC_HD int64_t verify_active(int64_t num_valid, int64_t capacity) { return clamp64(num_valid, 0, capacity); }
+
+// Emits the entry's rows, in order: VERIFY_PREV OOB, real-KV OOB, check row; or one VERIFY_SLOT row.
+template <class Emit>
+KVC_HD void verify_entry(const VerifyArgs& a, int64_t e, Emit& emit) {
+  const int64_t S = a.canary.num_slots;
+  const int64_t slot = a.slots[e];
+  if (slot == TOKEN_TO_KV_SLOT_PADDING) return;
+  const int64_t epos = a.positions[e];
+  if (slot < 0 || slot >= S) {
+    emit(oob_row(a.tag, slot, epos, -1, slot, IndexKind::VERIFY_SLOT, S));
+    return;
+  }
+  const int64_t prev = a.prevs[e];
+  const int64_t etok = a.check_token ? a.tokens[e] : -1;
+  const Record st = a.canary.load(slot);
+  bool chain_checked = prev != 0;
+  if (prev >= S) {
+    emit(oob_row(a.tag, slot, epos, -1, prev, IndexKind::VERIFY_PREV, S));
+    chain_checked = false;
+  }
+  const int64_t exp_chain =
+      chain_checked ? static_cast<int64_t>(a.canary.successor_hash(prev)) : st.prev_hash;
+  bool rkv_checked = true;
+  int64_t exp_rkv = 0;
+  if (a.sources.active()) {
+    const int k = a.sources.first_unaddressable(slot);
+    if (k < 0) {
+      exp_rkv = static_cast<int64_t>(a.sources.hash(slot));
+    } else {
+      emit(oob_row(a.tag, slot, epos, -1, slot / a.sources.src[k].page_size,
+                   static_cast<IndexKind>(code(IndexKind::REAL_KV_SOURCE_0) + k), a.sources.src[k].rows));
+      rkv_checked = false;
+    }
+  }
+  int64_t fail = 0;
+  if (chain_checked && st.prev_hash != exp_chain) fail |= bits(FailReason::VERIFY_CHAIN_HASH_MISMATCH);
+  if (a.check_token && etok != -1 && st.token != etok) fail |= bits(FailReason::VERIFY_TOKEN_MISMATCH);
+  if (st.position != epos) fail |= bits(FailReason::VERIFY_POSITION_MISMATCH);
+  if (rkv_checked && st.real_kv_hash != exp_rkv) fail |= bits(FailReason::VERIFY_REAL_KV_HASH_MISMATCH);
+  if (fail) emit(make_row(a.tag, slot, st.position, st.token, etok, st.prev_hash, exp_chain, fail));
+}
+
+// ---- WRITE: one request (spec §7.3) ------------------------------------------------------------
+struct WriteArgs {
+  CanaryView canary;
+  IndexView seeds, input_ids, positions, locs, exp_tokens, exp_positions;
+  bool input_assert;
+  bool chain_assert;  // enable_chain_position_assert[0] != 0, read once per launch
+  RealKvSources sources;
+  int64_t tag;
+};
+
+KVC_HD int64_t write_active(int64_t num_valid_reqs, int64_t capacity) {
+  return clamp64(num_valid_reqs, 0, capacity);
+}
+
+// Monotone clamp of the offsets: o[k] = clamp(max(offsets[0..k]), 0, N) (spec §7.3); this form lets
+// a launcher compute it with a prefix-max scan.
+KVC_HD int64_t clamp_offset(int64_t running_max, int64_t num_tokens) { return clamp64(running_max, 0, num_tokens); }
+
+// Number of entries of [lo, hi) with a non-negative slot (what slot_run counts).
+KVC_HD int64_t write_count(const WriteArgs& a, int64_t lo, int64_t hi) {
+  int64_t n = 0;
+  for (int64_t i = lo; i < hi; ++i) n += a.locs[i] >= 0;
+  return n;
+}
+
+// Processes request r over flat entries [lo, hi): reads the seed, emits rows in order, stores
+// records. Returns the number of counted (non-skipped) entries. With do_store false nothing is
+// stored (a count pass); the rows and the return value do not depend on it.
+template <class Emit>
+KVC_HD int64_t write_request(const WriteArgs& a, int64_t r, int64_t lo, int64_t hi, Emit& emit,
+                             bool do_store = true) {
+  if (hi <= lo) return 0;
+  const int64_t S = a.canary.num_slots;
+  int64_t seed = a.seeds[r];
+  if (seed >= S) {
+    emit(oob_row(a.tag, seed, -1, -1, seed, IndexKind::WRITE_SEED, S));
+    seed = -1;
+  }
+  uint64_t running = a.canary.successor_hash(seed);
+  const bool do_pos = seed >= 0 && a.chain_assert;
+  int64_t last_pos = do_pos ? a.canary.load(seed).position : 0;
+  int64_t written = 0;
+  for (int64_t i = lo; i < hi; ++i) {
+    const int64_t slot = a.locs[i];
+    if (slot < 0) continue;
+    ++written;
+    const int64_t tok = a.input_ids[i];
+    const int64_t pos = a.positions[i];
+    const bool in_range = slot < S;
+    int64_t rkv = 0;
+    if (!in_range) {
+      emit(oob_row(a.tag, slot, pos, tok, slot, IndexKind::WRITE_SLOT, S));
+    } else if (a.sources.active()) {
+      const int k = a.sources.first_unaddressable(slot);
+      if (k < 0) {
+        rkv = static_cast<int64_t>(a.sources.hash(slot));
+      } else {
+        emit(oob_row(a.tag, slot, pos, tok, slot / a.sources.src[k].page_size,
+                     static_cast<IndexKind>(code(IndexKind::REAL_KV_SOURCE_0) + k), a.sources.src[k].rows));
+      }
+    }
+    const int64_t chain = static_cast<int64_t>(running);
+    if (a.input_assert) {
+      const int64_t et = a.exp_tokens[i];
+      const int64_t ep = a.exp_positions[i];
+      const int64_t fail = (tok != et ? bits(FailReason::WRITE_TOKEN_MISMATCH) : 0) |
+                           (pos != ep ? bits(FailReason::WRITE_POSITION_MISMATCH) : 0);
+      if (fail) emit(make_row(a.tag, slot, pos, tok, et, chain, ep, fail));
+    }
+    if (do_pos) {
+      const int64_t expected = add_wrap(last_pos, 1);
+      if (pos != expected)
+        emit(make_row(a.tag, slot, pos, tok, tok, chain, expected, bits(FailReason::WRITE_POSITION_MISMATCH)));
+      last_pos = pos;
+    }
+    if (in_range && do_store) a.canary.store(slot, Record{tok, pos, chain, rkv});
+    running = mix3(running, static_cast<uint64_t>(tok), static_cast<uint64_t>(pos));
+  }
+  return written;
+}
+
+// ---- PLAN: one batch row and its entries (spec §9.3) -------------------------------------------
+struct PlanArgs {
+  IndexView req_pool_indices, prefix_lens, extend_seq_lens;
+  IndexView req_to_token;  // [R, L]
+  int64_t R, L;
+  bool has_lut;
+  IndexView lut;  // [lut_len]
+  int64_t lut_len;
+  bool has_pool;
+  IndexView pool;  // [Rp, Cp]
+  int64_t Rp, Cp;
+  IndexView valid_lens;  // [bs]
+  int64_t window;        // swa_window_size
+  int64_t token_offset;  // kv_token_id_vs_position_offset
+};
+
+struct PlanRow {
+  int64_t rp;
+  int64_t window_start;
+  int64_t vlen;  // verify entries of this row
+  int64_t wlen;  // write entries of this row
+  int64_t seed;
+};
+
+struct PlanEntry {
+  int64_t slot, token, position, prev;
+};
+
+// req_to_token[rp, pos], or -1 outside the table.
+KVC_HD int64_t plan_rt(const PlanArgs& a, int64_t rp, int64_t pos) {
+  if (rp < 0 || rp >= a.R || pos < 0 || pos >= a.L) return -1;
+  return a.req_to_token[rp * a.L + pos];
+}
+
+// LUT translation T(x): identity without a LUT, -1 outside [0, lut_len).
+KVC_HD int64_t plan_translate(const PlanArgs& a, int64_t x) {
+  if (!a.has_lut) return x;
+  if (x < 0 || x >= a.lut_len) return -1;
+  return a.lut[x];
+}
+
+KVC_HD int64_t plan_pool_token(const PlanArgs& a, int64_t r, int64_t rp, int64_t s) {
+  if (!a.has_pool) return -1;
+  if (s < 0 || s >= a.valid_lens[r] || s >= a.Cp || rp < 0 || rp >= a.Rp) return -1;
+  return a.pool[rp * a.Cp + s];
+}
+
+KVC_HD PlanRow plan_row(const PlanArgs& a, int64_t r) {
+  PlanRow row;
+  row.rp = a.req_pool_indices[r];
+  const int64_t P = a.prefix_lens[r];
+  const int64_t E = a.extend_seq_lens[r];
+  const bool live = row.rp != REQ_POOL_IDX_PADDING;
+  row.window_start = a.window > 0 ? (sub_wrap(P, a.window) > 0 ? sub_wrap(P, a.window) : 0) : 0;
+  const int64_t span = sub_wrap(P, row.window_start);
+  row.vlen = live && span > 0 ? span : 0;
+  row.wlen = live && E > 0 ? E : 0;
+  row.seed = (live && P > 0 && row.wlen > 0) ? plan_translate(a, plan_rt(a, row.rp, sub_wrap(P, 1))) : -1;
+  return row;
+}
+
+KVC_HD PlanEntry plan_entry(const PlanArgs& a, const PlanRow& row, int64_t r, int64_t j) {
+  const int64_t pos = add_wrap(row.window_start, j);
+  PlanEntry e;
+  e.slot = plan_translate(a, plan_rt(a, row.rp, pos));
+  e.prev = pos > 0 ? plan_translate(a, plan_rt(a, row.rp, sub_wrap(pos, 1))) : -1;
+  e.token = plan_pool_token(a, r, row.rp, add_wrap(pos, a.token_offset));
+  e.position = pos;
+  return e;
+}
+
+// ---- scatter_req_token_ids: one batch row (spec §9.5) ------------------------------------------
+// Number of leading ids of row r to copy (0 = skip the row).
+KVC_HD int64_t scatter_row_len(int64_t start, int64_t end, int64_t rp, int64_t Rp, int64_t Cp) {
+  const int64_t n0 = sub_wrap(end, start);
+  const int64_t n = n0 < Cp ? n0 : Cp;
+  if (n <= 0 || rp < 0 || rp >= Rp) return 0;
+  return n;
+}
+
+}  // namespace kvcanary

@@ -1,0 +1,128 @@
+"""The native backend: FFI target registration and ``jax.ffi.ffi_call`` builders.
+
+This is the only module that calls ``jax.ffi``. Functions here receive arguments already validated
+and normalised by ``ops.py`` (the real-KV pair is either ``((), NONE)`` or ``(1..4 sources, PARTIAL|ALL)``)
+and never check anything themselves. Attributes are normalised to one exact numpy type each, so a
+Python ``1``, ``True`` and ``np.int32(1)`` share a compile-cache entry.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import consts
+from .inputs import VerifyPlan, WritePlan
+from .state import ViolationLog
+
+try:
+    from . import _kvcanary
+except ImportError:  # the pure-JAX backend still works
+    _kvcanary = None
+try:
+    from . import _kvcanary_cuda
+except ImportError:
+    _kvcanary_cuda = None
+
+VERIFY_TARGET = "kvcanary_verify"
+WRITE_TARGET = "kvcanary_write"
+PLAN_TARGET = "kvcanary_plan"
+SCATTER_TARGET = "kvcanary_scatter"
+
+#: Platforms (as ``jax.Device.platform`` names them) that have a registered native handler.
+NATIVE_PLATFORMS: frozenset = frozenset()
+
+
+def _register() -> frozenset:
+    platforms = set()
+    for module, platform, name in ((_kvcanary, "cpu", "cpu"), (_kvcanary_cuda, "CUDA", "gpu")):
+        if module is None:
+            continue
+        for target, capsule in module.registrations().items():
+            jax.ffi.register_ffi_target(target, capsule, platform=platform)
+        platforms.add(name)
+    return frozenset(platforms)
+
+
+NATIVE_PLATFORMS = _register()
+
+
+def _sds(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _source_attrs(real_kv_sources, real_kv_hash_mode) -> dict:
+    """Static geometry of the sources, padded to 4 entries (buffers carry rows and row bytes)."""
+    pad = consts.MAX_REAL_KV_SOURCES - len(real_kv_sources)
+
+    def field(name):
+        return np.array([getattr(s, name) for s in real_kv_sources] + [0] * pad, dtype=np.int64)
+
+    return dict(mode=np.int32(real_kv_hash_mode), page_size=field("page_size"),
+                bytes_per_token=field("num_bytes_per_token"), read_bytes=field("read_bytes"))
+
+
+def _log_outputs(log: ViolationLog):
+    return (_sds(log.ring), _sds(log.write_index), _sds(log.kernel_run_counters), _sds(log.slot_run_counters))
+
+
+def verify(canary, log, verify_plan, *, tag, check_verify_expected_token, real_kv_sources, real_kv_hash_mode):
+    """Native verify. Returns the updated ``ViolationLog`` (ring, write_index, counters aliased)."""
+    call = jax.ffi.ffi_call(VERIFY_TARGET, _log_outputs(log),
+                            input_output_aliases={1: 0, 2: 1, 3: 2, 4: 3})
+    p = verify_plan
+    ring, write_index, kernel_counters, slot_counters = call(
+        canary, log.ring, log.write_index, log.kernel_run_counters, log.slot_run_counters,
+        p.slot_indices, p.expected_tokens, p.expected_positions, p.prev_slot_indices, p.num_valid, p.enable,
+        *[s.array for s in real_kv_sources],
+        tag=np.int64(tag), check_token=np.bool_(check_verify_expected_token),
+        **_source_attrs(real_kv_sources, real_kv_hash_mode))
+    return ViolationLog(ring, write_index, kernel_counters, slot_counters, log.enable_chain_position_assert)
+
+
+def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag, enable_write_input_assert,
+          expected_input_tokens, expected_input_positions, real_kv_sources, real_kv_hash_mode):
+    """Native write. Returns ``(canary, log)``, both aliased to their inputs."""
+    if not enable_write_input_assert:  # never read: zero-length placeholders
+        expected_input_tokens = expected_input_positions = jnp.zeros((0,), jnp.int32)
+    call = jax.ffi.ffi_call(WRITE_TARGET, (_sds(canary),) + _log_outputs(log),
+                            input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3, 4: 4})
+    wp = write_plan
+    canary, ring, write_index, kernel_counters, slot_counters = call(
+        canary, log.ring, log.write_index, log.kernel_run_counters, log.slot_run_counters,
+        log.enable_chain_position_assert, wp.offsets, wp.seed_slot_indices, wp.num_valid_reqs,
+        input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions,
+        *[s.array for s in real_kv_sources],
+        tag=np.int64(tag), input_assert=np.bool_(enable_write_input_assert),
+        **_source_attrs(real_kv_sources, real_kv_hash_mode))
+    return canary, ViolationLog(ring, write_index, kernel_counters, slot_counters,
+                                log.enable_chain_position_assert)
+
+
+def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify_capacity, write_req_capacity,
+         swa_window_size, full_to_swa_index_mapping, req_to_verify_expected_tokens,
+         req_to_verify_expected_tokens_valid_lens, kv_token_id_vs_position_offset):
+    """Native plan. Returns fresh int32 ``(VerifyPlan, WritePlan)``."""
+    has_lut = full_to_swa_index_mapping is not None
+    has_pool = req_to_verify_expected_tokens is not None
+    empty = jnp.zeros((0,), jnp.int32)
+    lut = full_to_swa_index_mapping if has_lut else empty
+    pool = req_to_verify_expected_tokens if has_pool else jnp.zeros((0, 0), jnp.int32)
+    valid_lens = req_to_verify_expected_tokens_valid_lens if has_pool else empty
+    i32 = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)  # noqa: E731
+    vc, wc = verify_capacity, write_req_capacity
+    call = jax.ffi.ffi_call(PLAN_TARGET, (i32(vc), i32(vc), i32(vc), i32(vc), i32(1), i32(1),
+                                          i32(wc + 1), i32(wc), i32(1)))
+    slots, tokens, positions, prevs, num_valid, enable, offsets, seeds, num_valid_reqs = call(
+        req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, lut, pool, valid_lens,
+        window=np.int64(swa_window_size), token_offset=np.int64(kv_token_id_vs_position_offset),
+        has_lut=np.bool_(has_lut), has_pool=np.bool_(has_pool))
+    return (VerifyPlan(slots, tokens, positions, prevs, num_valid, enable),
+            WritePlan(offsets, seeds, num_valid_reqs))
+
+
+def scatter_req_token_ids(pool, flat_ids, offsets, req_pool_indices):
+    """Native scatter of per-request id lists into the token pool (aliased)."""
+    call = jax.ffi.ffi_call(SCATTER_TARGET, _sds(pool), input_output_aliases={0: 0})
+    return call(pool, flat_ids, offsets, req_pool_indices)

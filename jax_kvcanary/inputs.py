@@ -1,0 +1,177 @@
+"""Op inputs: the two plan pytrees and the real-KV source descriptor."""
+
+from __future__ import annotations
+
+import operator
+
+import jax
+import numpy as np
+
+from . import consts
+from .errors import KvCanaryTypeError
+
+
+@jax.tree_util.register_pytree_node_class
+class VerifyPlan:
+    """Work list of one verify launch (``V = verify_capacity``).
+
+      slot_indices, expected_tokens, expected_positions, prev_slot_indices   int32/int64[V]
+      num_valid, enable                                                        int32[1]
+
+    Sentinels: slot 0 = padding; expected token -1 = no token check; prev < 0 = chain head,
+    prev 0 = predecessor unknown (chain check skipped). The constructor does not validate.
+    """
+
+    _FIELDS = ("slot_indices", "expected_tokens", "expected_positions", "prev_slot_indices",
+               "num_valid", "enable")
+
+    def __init__(self, slot_indices, expected_tokens, expected_positions, prev_slot_indices,
+                 num_valid, enable):
+        self.slot_indices = slot_indices
+        self.expected_tokens = expected_tokens
+        self.expected_positions = expected_positions
+        self.prev_slot_indices = prev_slot_indices
+        self.num_valid = num_valid
+        self.enable = enable
+
+    def tree_flatten(self):
+        return tuple(getattr(self, f) for f in self._FIELDS), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        del aux
+        return cls(*children)
+
+    def __repr__(self):
+        return "VerifyPlan(" + ", ".join(
+            f"{f}={getattr(getattr(self, f), 'shape', getattr(self, f))}" for f in self._FIELDS) + ")"
+
+
+@jax.tree_util.register_pytree_node_class
+class WritePlan:
+    """Work list of one write launch (``C = write_req_capacity``).
+
+      offsets             int32/int64[C + 1]  request r owns flat indices [offsets[r], offsets[r+1])
+      seed_slot_indices   int32/int64[C]      chain-seed slot per request; negative = anchor
+      num_valid_reqs      int32[1]
+
+    The constructor does not validate.
+    """
+
+    _FIELDS = ("offsets", "seed_slot_indices", "num_valid_reqs")
+
+    def __init__(self, offsets, seed_slot_indices, num_valid_reqs):
+        self.offsets = offsets
+        self.seed_slot_indices = seed_slot_indices
+        self.num_valid_reqs = num_valid_reqs
+
+    def tree_flatten(self):
+        return tuple(getattr(self, f) for f in self._FIELDS), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        del aux
+        return cls(*children)
+
+    def __repr__(self):
+        return "WritePlan(" + ", ".join(
+            f"{f}={getattr(getattr(self, f), 'shape', getattr(self, f))}" for f in self._FIELDS) + ")"
+
+
+def _static_int(name: str, value) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise KvCanaryTypeError(
+            f"kv-canary: RealKvSource.{name} must be an int, got {type(value).__name__}") from None
+
+
+def source_row_bytes(array) -> int:
+    """Bytes of ``array[r]`` in the default row-major layout."""
+    return int(np.dtype(array.dtype).itemsize * int(np.prod(array.shape[1:], dtype=np.int64)))
+
+
+@jax.tree_util.register_pytree_node_class
+class RealKvSource:
+    """One live KV array to fingerprint, with its slot addressing.
+
+    ``array``: any dtype of >= 8 bits, >= 2-D; row ``r`` is the bytes of ``array[r]``.
+    Slot ``s`` reads bytes ``[(s % page_size) * num_bytes_per_token, + eff)`` of row ``s // page_size``,
+    with ``eff = 16`` (PARTIAL) or ``read_bytes`` (ALL).
+    """
+
+    def __init__(self, array, page_size, num_bytes_per_token, read_bytes):
+        page_size = _static_int("page_size", page_size)
+        num_bytes_per_token = _static_int("num_bytes_per_token", num_bytes_per_token)
+        read_bytes = _static_int("read_bytes", read_bytes)
+        if page_size < 1:
+            raise ValueError(f"kv-canary: RealKvSource.page_size must be >= 1, got {page_size}")
+        if num_bytes_per_token <= 0 or num_bytes_per_token % consts.REAL_KV_CHUNK_BYTES:
+            raise ValueError(
+                "kv-canary: RealKvSource.num_bytes_per_token must be a positive multiple of 16, "
+                f"got {num_bytes_per_token}")
+        if (read_bytes <= 0 or read_bytes > num_bytes_per_token
+                or read_bytes % consts.REAL_KV_CHUNK_BYTES):
+            raise ValueError(
+                "kv-canary: RealKvSource.read_bytes must be a positive multiple of 16 in "
+                f"(0, num_bytes_per_token={num_bytes_per_token}], got {read_bytes}")
+        if not (hasattr(array, "shape") and hasattr(array, "dtype")):
+            raise KvCanaryTypeError(
+                f"kv-canary: RealKvSource.array must be a jax.Array, got {type(array).__name__}")
+        shape = tuple(int(d) for d in array.shape)
+        if len(shape) < 2:
+            raise ValueError(f"kv-canary: RealKvSource.array must be at least 2-D, got shape {shape}")
+        dtype = np.dtype(array.dtype)
+        if dtype.itemsize < 1 or _is_sub_byte(dtype):
+            raise KvCanaryTypeError(
+                f"kv-canary: RealKvSource.array dtype {dtype.name} is not supported: elements "
+                "narrower than 8 bits have no defined byte layout")
+        row_bytes = source_row_bytes(array)
+        if row_bytes % consts.REAL_KV_CHUNK_BYTES:
+            raise ValueError(
+                "kv-canary: RealKvSource.array row stride must be a multiple of 16 bytes, "
+                f"got {row_bytes} bytes (shape={shape}, dtype={dtype.name})")
+        if row_bytes < page_size * num_bytes_per_token:
+            raise ValueError(
+                "kv-canary: RealKvSource row is too narrow for its slot layout: a row is "
+                f"{row_bytes} bytes but page_size={page_size} x num_bytes_per_token="
+                f"{num_bytes_per_token} needs {page_size * num_bytes_per_token}")
+        self.array = array
+        self.page_size = page_size
+        self.num_bytes_per_token = num_bytes_per_token
+        self.read_bytes = read_bytes
+
+    @property
+    def rows(self) -> int:
+        return int(self.array.shape[0])
+
+    @property
+    def row_bytes(self) -> int:
+        return source_row_bytes(self.array)
+
+    def tree_flatten(self):
+        return (self.array,), (self.page_size, self.num_bytes_per_token, self.read_bytes)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)  # bypass validation: leaves may be placeholders
+        obj.array = children[0]
+        obj.page_size, obj.num_bytes_per_token, obj.read_bytes = aux
+        return obj
+
+    def __repr__(self):
+        return (f"RealKvSource(array={getattr(self.array, 'shape', None)} "
+                f"{getattr(self.array, 'dtype', None)}, page_size={self.page_size}, "
+                f"num_bytes_per_token={self.num_bytes_per_token}, read_bytes={self.read_bytes})")
+
+
+def _is_sub_byte(dtype: np.dtype) -> bool:
+    """int4, uint4, float4_e2m1fn, ...: ml_dtypes reports itemsize 1 but fewer than 8 bits."""
+    import ml_dtypes  # a dependency of jax
+
+    for info in (ml_dtypes.iinfo, ml_dtypes.finfo):
+        try:
+            return info(dtype).bits < 8
+        except (ValueError, TypeError):
+            continue
+    return False
