@@ -1,10 +1,11 @@
-// cpu_handlers.cc: XLA FFI handlers for the CPU platform. Each handler is a loop over the shared
-// per-entry functions of canary_core.h, in (request, entry) order, appending rows as it goes.
+// cpu_handlers.cc: XLA FFI handlers for the CPU platform: buffers -> core views, then the
+// sequential launchers of cpu_loops.h (loops over canary_core.h in (request, entry) order).
 // No handler returns an error for data: every argument check is done in Python at trace time.
 #include <cstring>
 
 #include "canary_core.h"
 #include "cpu_handlers.h"
+#include "cpu_loops.h"
 #include "ffi_common.h"
 
 namespace kvcanary {
@@ -16,13 +17,15 @@ void alias_in(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
     std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
 }
 
-struct LogBuffers {
-  uint8_t* ring;
-  int64_t capacity;
-  int32_t* write_index;
-  uint8_t* kernel_counters;
-  uint8_t* slot_counters;
-};
+LogView log_view(ffi::Result<ffi::AnyBuffer>& ring, ffi::Result<ffi::AnyBuffer>& write_index,
+                 ffi::Result<ffi::AnyBuffer>& kernel_counters, ffi::Result<ffi::AnyBuffer>& slot_counters) {
+  return LogView{static_cast<uint8_t*>(ring->untyped_data()), dim_or_zero(*ring, 0),
+                 static_cast<int32_t*>(write_index->untyped_data()),
+                 static_cast<uint8_t*>(kernel_counters->untyped_data()),
+                 static_cast<uint8_t*>(slot_counters->untyped_data())};
+}
+
+int32_t scalar_i32(const ffi::AnyBuffer& b) { return static_cast<const int32_t*>(b.untyped_data())[0]; }
 
 ffi::Error VerifyCpu(ffi::AnyBuffer canary, ffi::AnyBuffer ring, ffi::AnyBuffer write_index,
                      ffi::AnyBuffer kernel_counters, ffi::AnyBuffer slot_counters, ffi::AnyBuffer slots,
@@ -36,15 +39,6 @@ ffi::Error VerifyCpu(ffi::AnyBuffer canary, ffi::AnyBuffer ring, ffi::AnyBuffer 
   alias_in(write_index, write_index_out);
   alias_in(kernel_counters, kernel_counters_out);
   alias_in(slot_counters, slot_counters_out);
-  uint8_t* kc = static_cast<uint8_t*>(kernel_counters_out->untyped_data());
-  uint8_t* sc = static_cast<uint8_t*>(slot_counters_out->untyped_data());
-  int32_t* wi = static_cast<int32_t*>(write_index_out->untyped_data());
-
-  counter_add(kc, tag, 1);
-  if (static_cast<const int32_t*>(enable.untyped_data())[0] == 0) return ffi::Error::Success();
-  const int64_t active = verify_active(static_cast<const int32_t*>(num_valid.untyped_data())[0], dim_or_zero(slots, 0));
-  counter_add(sc, tag, active);
-
   VerifyArgs a{};
   a.canary = canary_view(canary);
   a.slots = index_view(slots);
@@ -54,9 +48,8 @@ ffi::Error VerifyCpu(ffi::AnyBuffer canary, ffi::AnyBuffer ring, ffi::AnyBuffer 
   a.check_token = check_token;
   a.sources = real_kv_sources(srcs, mode, page_size, bytes_per_token, read_bytes);
   a.tag = tag;
-  RingAppender emit{static_cast<uint8_t*>(ring_out->untyped_data()), dim_or_zero(ring, 0), wi[0]};
-  for (int64_t e = 0; e < active; ++e) verify_entry(a, e, emit);
-  if (emit.count) wi[0] = next_write_index(emit.base, emit.count);
+  verify_launch(a, dim_or_zero(slots, 0), scalar_i32(num_valid), scalar_i32(enable),
+                log_view(ring_out, write_index_out, kernel_counters_out, slot_counters_out));
   return ffi::Error::Success();
 }
 
@@ -75,15 +68,7 @@ ffi::Error WriteCpu(ffi::AnyBuffer canary, ffi::AnyBuffer ring, ffi::AnyBuffer w
   alias_in(write_index, write_index_out);
   alias_in(kernel_counters, kernel_counters_out);
   alias_in(slot_counters, slot_counters_out);
-  uint8_t* kc = static_cast<uint8_t*>(kernel_counters_out->untyped_data());
-  uint8_t* sc = static_cast<uint8_t*>(slot_counters_out->untyped_data());
-  int32_t* wi = static_cast<int32_t*>(write_index_out->untyped_data());
-  counter_add(kc, tag, 1);
-
   const int64_t n_tokens = dim_or_zero(input_ids, 0);
-  const int64_t capacity = dim_or_zero(seeds, 0);
-  const int64_t active = write_active(static_cast<const int32_t*>(num_valid_reqs.untyped_data())[0], capacity);
-
   WriteArgs a{};
   a.canary = canary_view(*canary_out);
   a.seeds = index_view(seeds);
@@ -93,24 +78,11 @@ ffi::Error WriteCpu(ffi::AnyBuffer canary, ffi::AnyBuffer ring, ffi::AnyBuffer w
   a.exp_tokens = index_view(exp_tokens);
   a.exp_positions = index_view(exp_positions);
   a.input_assert = input_assert_usable(input_assert, exp_tokens, exp_positions, n_tokens);
-  a.chain_assert = static_cast<const int32_t*>(chain_flag.untyped_data())[0] != 0;
+  a.chain_assert = scalar_i32(chain_flag) != 0;
   a.sources = real_kv_sources(srcs, mode, page_size, bytes_per_token, read_bytes);
   a.tag = tag;
-
-  const IndexView off = index_view(offsets);
-  RingAppender emit{static_cast<uint8_t*>(ring_out->untyped_data()), dim_or_zero(ring, 0), wi[0]};
-  int64_t running_max = off[0];
-  int64_t lo = clamp_offset(running_max, n_tokens);
-  int64_t written = 0;
-  for (int64_t r = 0; r < active; ++r) {
-    const int64_t next = off[r + 1];
-    if (next > running_max) running_max = next;
-    const int64_t hi = clamp_offset(running_max, n_tokens);
-    written += write_request(a, r, lo, hi, emit);
-    lo = hi;
-  }
-  counter_add(sc, tag, written);
-  if (emit.count) wi[0] = next_write_index(emit.base, emit.count);
+  write_launch(a, index_view(offsets), dim_or_zero(seeds, 0), scalar_i32(num_valid_reqs), n_tokens,
+               log_view(ring_out, write_index_out, kernel_counters_out, slot_counters_out));
   return ffi::Error::Success();
 }
 
@@ -123,63 +95,12 @@ ffi::Error PlanCpu(ffi::AnyBuffer rpi, ffi::AnyBuffer prefix, ffi::AnyBuffer ext
                    ffi::Result<ffi::Buffer<ffi::S32>> w_num_valid_reqs, int64_t window, int64_t token_offset,
                    bool has_lut, bool has_pool) {
   const PlanArgs a = plan_args(rpi, prefix, extend, r2t, lut, pool, valid_lens, window, token_offset, has_lut, has_pool);
-  const int64_t bs = dim_or_zero(rpi, 0);
-  const int64_t vcap = v_slots->element_count();
-  const int64_t wcap = w_seeds->element_count();
-  int32_t* slots = v_slots->typed_data();
-  int32_t* tokens = v_tokens->typed_data();
-  int32_t* positions = v_positions->typed_data();
-  int32_t* prevs = v_prevs->typed_data();
-  int32_t* offsets = w_offsets->typed_data();
-  int32_t* seeds = w_seeds->typed_data();
-  std::memset(slots, 0, vcap * sizeof(int32_t));
-  std::memset(tokens, 0, vcap * sizeof(int32_t));
-  std::memset(positions, 0, vcap * sizeof(int32_t));
-  std::memset(prevs, 0, vcap * sizeof(int32_t));
-  std::memset(offsets, 0, (wcap + 1) * sizeof(int32_t));
-  std::memset(seeds, 0, wcap * sizeof(int32_t));
-
-  int64_t total = 0;
-  int64_t write_total = 0;
-  for (int64_t r = 0; r < bs && r < wcap; ++r) {
-    const PlanRow row = plan_row(a, r);
-    total = add_wrap(total, row.vlen);
-    write_total = add_wrap(write_total, row.wlen);
-    offsets[r + 1] = static_cast<int32_t>(write_total);
-    seeds[r] = static_cast<int32_t>(row.seed);
-  }
-  const bool enable = total <= vcap;
-  if (enable) {
-    int64_t flat = 0;
-    for (int64_t r = 0; r < bs && flat < vcap; ++r) {
-      const PlanRow row = plan_row(a, r);
-      for (int64_t j = 0; j < row.vlen && flat < vcap; ++j, ++flat) {
-        const PlanEntry e = plan_entry(a, row, r, j);
-        slots[flat] = static_cast<int32_t>(e.slot);
-        tokens[flat] = static_cast<int32_t>(e.token);
-        positions[flat] = static_cast<int32_t>(e.position);
-        prevs[flat] = static_cast<int32_t>(e.prev);
-      }
-    }
-  }
-  v_num_valid->typed_data()[0] = static_cast<int32_t>(total < vcap ? total : vcap);
-  v_enable->typed_data()[0] = enable ? 1 : 0;
-  w_num_valid_reqs->typed_data()[0] = static_cast<int32_t>(bs);
+  const PlanOut out{v_slots->typed_data(), v_tokens->typed_data(), v_positions->typed_data(),
+                    v_prevs->typed_data(), v_num_valid->typed_data(), v_enable->typed_data(),
+                    w_offsets->typed_data(), w_seeds->typed_data(), w_num_valid_reqs->typed_data()};
+  plan_launch(a, dim_or_zero(rpi, 0), static_cast<int64_t>(v_slots->element_count()),
+              static_cast<int64_t>(w_seeds->element_count()), out);
   return ffi::Error::Success();
-}
-
-template <typename T>
-void scatter_rows(T* pool, int64_t Rp, int64_t Cp, IndexView flat, int64_t total, IndexView offsets, IndexView rpi,
-                  int64_t bs) {
-  for (int64_t r = 0; r < bs; ++r) {
-    const int64_t start = offsets[r];
-    const int64_t rp = rpi[r];
-    const int64_t n = scatter_row_len(start, offsets[r + 1], rp, Rp, Cp);
-    for (int64_t c = 0; c < n; ++c) {
-      const int64_t src = add_wrap(start, c);
-      if (src >= 0 && src < total) pool[rp * Cp + c] = static_cast<T>(flat[src]);
-    }
-  }
 }
 
 ffi::Error ScatterCpu(ffi::AnyBuffer pool, ffi::AnyBuffer flat_ids, ffi::AnyBuffer offsets, ffi::AnyBuffer rpi,
@@ -188,11 +109,11 @@ ffi::Error ScatterCpu(ffi::AnyBuffer pool, ffi::AnyBuffer flat_ids, ffi::AnyBuff
   const int64_t Rp = dim_or_zero(pool, 0), Cp = dim_or_zero(pool, 1);
   const int64_t bs = dim_or_zero(rpi, 0);
   if (pool.element_type() == ffi::DataType::S64) {
-    scatter_rows(static_cast<int64_t*>(pool_out->untyped_data()), Rp, Cp, index_view(flat_ids),
-                 dim_or_zero(flat_ids, 0), index_view(offsets), index_view(rpi), bs);
+    scatter_launch(static_cast<int64_t*>(pool_out->untyped_data()), Rp, Cp, index_view(flat_ids),
+                   dim_or_zero(flat_ids, 0), index_view(offsets), index_view(rpi), bs);
   } else {
-    scatter_rows(static_cast<int32_t*>(pool_out->untyped_data()), Rp, Cp, index_view(flat_ids),
-                 dim_or_zero(flat_ids, 0), index_view(offsets), index_view(rpi), bs);
+    scatter_launch(static_cast<int32_t*>(pool_out->untyped_data()), Rp, Cp, index_view(flat_ids),
+                   dim_or_zero(flat_ids, 0), index_view(offsets), index_view(rpi), bs);
   }
   return ffi::Error::Success();
 }
