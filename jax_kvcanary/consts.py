@@ -100,8 +100,8 @@ class IndexKind(enum.IntEnum):
 
 def fail_reason_label(bit: int) -> str:
     """Report label of one fail bit: member name lower-cased, trailing ``_mismatch`` removed."""
-    try:
-        name = FailReason(bit).name.lower()
-    except ValueError:
+    known = {int(m): m.name for m in FailReason}
+    if bit not in known:
         return f"bit{bit.bit_length() - 1}"
+    name = known[bit].lower()
     return name[: -len("_mismatch")] if name.endswith("_mismatch") else name
