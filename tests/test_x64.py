@@ -1,0 +1,33 @@
+"""x64 off and on, int32 and int64 index inputs: identical output bytes (DESIGN.md §3)."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from conftest import IMPLS
+
+SCRIPT = pathlib.Path(__file__).with_name("x64_scenario.py")
+
+
+def digest(impl, index_dtype, x64):
+    env = dict(os.environ, JAX_ENABLE_X64="1" if x64 else "0", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, str(SCRIPT), impl, index_dtype], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "reference"])
+def test_same_bytes_x64_off_and_on_int32_and_int64(impl):
+    base = digest(impl, "int32", x64=False)
+    assert digest(impl, "int32", x64=True) == base
+    assert digest(impl, "int64", x64=True) == base
+
+
+def test_ffi_and_xla_agree():
+    if not {"ffi", "xla"} <= set(IMPLS):
+        pytest.skip("KVC_TEST_IMPLS excludes ffi or xla")
+    assert digest("ffi", "int32", x64=False) == digest("xla", "int32", x64=False)
