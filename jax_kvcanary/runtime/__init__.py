@@ -1,0 +1,22 @@
+"""Serving integration: config, in-step endpoints, host monitor, report format, health check,
+sweep plans, fault injection and multi-device helpers (DESIGN.md §5, spec §10-§11)."""
+
+from .config import CanaryConfig, launch_tag
+from .endpoints import (CanaryBatch, CanaryEndpoints, CanaryState, GroupPlan,
+                        set_chain_position_assert, translate_slots)
+from .errors import CanaryHealthError, CanaryViolationError
+from .health import HealthCheck
+from .monitor import Monitor, Violation
+from .report import (REPORT_LINE_RE, ReportHeader, format_first_line, format_report,
+                     parse_first_line)
+from .stats import CounterSnapshot, format_stats_line
+from .sweep import bucket_capacity, build_group_sweep_plans, build_sweep_plan, translate_chains
+from . import perturb, multidevice
+
+__all__ = [
+    "CanaryConfig", "launch_tag", "CanaryBatch", "CanaryEndpoints", "CanaryState", "GroupPlan",
+    "set_chain_position_assert", "translate_slots", "CanaryHealthError", "CanaryViolationError",
+    "HealthCheck", "Monitor", "Violation", "REPORT_LINE_RE", "ReportHeader", "format_first_line",
+    "format_report", "parse_first_line", "CounterSnapshot", "format_stats_line", "bucket_capacity",
+    "build_group_sweep_plans", "build_sweep_plan", "translate_chains", "perturb", "multidevice",
+]

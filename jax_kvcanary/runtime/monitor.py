@@ -1,0 +1,208 @@
+"""``Monitor``: the host side of the canary, with a one-step readback lag (spec §10).
+
+Call ``monitor.step(state)`` once per serving step, right after the step returns (before the next
+step donates the state). It
+
+1. dispatches a tiny snapshot of the counters (``write_index``, kernel/slot-run and written
+   counters: one ``uint8`` array) and starts its ``copy_to_host_async``;
+2. decodes the snapshot started by the previous call. Only if ``write_index`` moved past the
+   watermark does it read the ring (of the current state: rows are fill-once, so they are the
+   same), and reports the new rows.
+
+A violation recorded in step T is therefore reported by the call after step T+1, and the serving
+step itself never waits for the host. Mode ``log`` logs each new row once (WARNING); ``raise``
+raises ``CanaryViolationError`` with every new row, after which the monitor reports nothing more.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import List, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import consts
+from ..state import ViolationLog
+from .config import CanaryConfig
+from .endpoints import CanaryState
+from .errors import CanaryViolationError
+from .health import HealthCheck
+from .report import format_report, reason_labels, tag_name
+from .stats import CounterSnapshot, format_stats_line
+
+LOGGER = logging.getLogger("jax_kvcanary")
+
+
+@dataclasses.dataclass(frozen=True)
+class Violation:
+    """One decoded ring row. ``row`` is int64[8]; ``index`` its ring row; ``device`` its device
+    (None for a single-device engine); ``step`` the monitor step that pumped it."""
+
+    row: np.ndarray
+    report: str
+    step: int
+    index: int
+    total: int
+    ring_capacity: int
+    device: Optional[int] = None
+
+    @property
+    def tag(self) -> int:
+        return int(self.row[consts.VIOLATION_FIELD_KERNEL_KIND])
+
+    @property
+    def tag_name(self) -> str:
+        return tag_name(self.tag)
+
+    @property
+    def bits(self) -> int:
+        return int(self.row[consts.VIOLATION_FIELD_FAIL_REASON_BITS])
+
+    @property
+    def reasons(self) -> tuple:
+        return tuple(reason_labels(self.bits))
+
+    @property
+    def slot(self) -> int:
+        return int(self.row[consts.VIOLATION_FIELD_SLOT_IDX])
+
+    @property
+    def position(self) -> int:
+        return int(self.row[consts.VIOLATION_FIELD_POSITION])
+
+
+def _parts(log: ViolationLog, written):
+    return log.write_index, log.kernel_run_counters, log.slot_run_counters, written
+
+
+@jax.jit
+def _snapshot(write_index, kernel_runs, slot_runs, written):
+    """uint8[(D,) 4 + 24 T]: the counters' bytes in one array (one small device->host copy)."""
+    lead = write_index.shape[:-1]
+    parts = [jax.lax.bitcast_convert_type(write_index, jnp.uint8), kernel_runs, slot_runs,
+             jax.lax.bitcast_convert_type(written, jnp.uint8)]
+    return jnp.concatenate([p.reshape(lead + (-1,)) for p in parts], axis=-1)
+
+
+class Monitor:
+    """Host-side readback of a ``CanaryState`` (or a bare ``ViolationLog``).
+
+    mode             'log' | 'raise' | 'none' (does nothing)
+    health_interval  steps between health checks (0 = off); ``expected_tags`` the tags checked
+    stats_interval   steps between INFO stats lines (0 = off); ``stats_tags`` the tags listed
+    logger           where reports go (default ``logging.getLogger('jax_kvcanary')``)
+
+    A state whose arrays carry a leading device axis (``write_index`` of shape ``[D, 1]``, see
+    ``runtime.multidevice``) is decoded per device and each report gets a ``device=`` line.
+    """
+
+    def __init__(self, mode: str = "log", *, health_interval: int = 0, expected_tags=(),
+                 stats_interval: int = 0, stats_tags=None, logger: Optional[logging.Logger] = None):
+        if mode not in ("log", "raise", "none"):
+            raise ValueError(f"kv-canary: Monitor mode must be 'log', 'raise' or 'none', got {mode!r}")
+        self.mode = mode
+        self.health = HealthCheck(health_interval, expected_tags)
+        self.stats_interval = int(stats_interval)
+        self.stats_tags = tuple(expected_tags if stats_tags is None else stats_tags)
+        self.logger = logger or LOGGER
+        self.steps = 0
+        self.violations: List[Violation] = []
+        self.by_tag_reason = collections.Counter()
+        self.counters: Optional[CounterSnapshot] = None
+        self.stopped = False
+        self._pending = None        # (snapshot array, monitor step)
+        self._state = None          # last state passed in (its ring is read on a counter move)
+        self._watermark = None      # int64[D]
+
+    @classmethod
+    def from_config(cls, config: CanaryConfig, **kw) -> "Monitor":
+        """A monitor with the config's mode, health interval, expected tags and stats interval."""
+        return cls(config.mode, health_interval=config.health_interval,
+                   expected_tags=config.expected_tags(), stats_interval=config.stats_interval, **kw)
+
+    # -- per step -----------------------------------------------------------------------------------
+    def step(self, state) -> List[Violation]:
+        """Start the readback of ``state`` and report what the previous call's readback found."""
+        if self.mode == "none" or self.stopped:
+            return []
+        self.steps += 1
+        log, written = self._split(state)
+        snap = _snapshot(*_parts(log, written))
+        snap.copy_to_host_async()
+        prev, self._pending = self._pending, (snap, self.steps)
+        self._state = log
+        if prev is None:
+            return []
+        return self._decode(*prev)
+
+    def flush(self) -> List[Violation]:
+        """Decode the pending readback now (at the end of serving). Blocks on the last step."""
+        if self.mode == "none" or self.stopped or self._pending is None:
+            return []
+        prev, self._pending = self._pending, None
+        return self._decode(*prev)
+
+    # -- internals ----------------------------------------------------------------------------------
+    @staticmethod
+    def _split(state):
+        if isinstance(state, CanaryState):
+            return state.log, state.written
+        if isinstance(state, ViolationLog):
+            lead = tuple(state.write_index.shape[:-1])
+            return state, jnp.zeros(lead + (state.kernel_run_counters.shape[-2], 2), jnp.uint32)
+        raise TypeError("kv-canary: Monitor.step needs a CanaryState or a ViolationLog, got "
+                        f"{type(state).__name__}")
+
+    def _decode(self, snap, snap_step) -> List[Violation]:
+        log = self._state
+        num_tags = int(log.kernel_run_counters.shape[-2])
+        counters = CounterSnapshot.decode(np.asarray(snap), num_tags)
+        self.counters = counters
+        multi = log.write_index.ndim == 2
+        ndev = counters.write_index.shape[0]
+        if self._watermark is None:
+            self._watermark = np.zeros((ndev,), np.int64)
+        cap = int(log.ring.shape[-2])
+        ends = np.clip(counters.write_index, 0, cap)
+        new: List[Violation] = []
+        if np.any(ends > self._watermark):
+            ring = np.ascontiguousarray(np.asarray(log.ring)).view("<i8").astype(np.int64)
+            ring = ring.reshape((ndev, cap, consts.VIOLATION_FIELDS))
+            for d in range(ndev):
+                for i in range(int(self._watermark[d]), int(ends[d])):
+                    row = ring[d, i].copy()
+                    total = int(counters.write_index[d])
+                    text = format_report(row, total=total, ring_capacity=cap, step=self.steps,
+                                         device=d if multi else None)
+                    new.append(Violation(row, text, self.steps, i, total, cap, d if multi else None))
+                self._watermark[d] = max(int(self._watermark[d]), int(ends[d]))
+        for v in new:
+            for r in v.reasons:
+                self.by_tag_reason[(v.tag_name, r)] += 1
+        self.violations.extend(new)
+        if new and self.mode == "raise":
+            self.stopped = True
+            raise CanaryViolationError("\n".join(v.report for v in new), new)
+        for v in new:
+            self.logger.warning(v.report)
+        self.health.observe(snap_step, counters.kernel_runs)
+        if self.stats_interval and snap_step % self.stats_interval == 0:
+            self.logger.info(self.stats_line(snap_step))
+        return new
+
+    @property
+    def total(self) -> int:
+        """Violations recorded so far (sum of ``write_index`` over devices, as last read back)."""
+        return 0 if self.counters is None else int(self.counters.write_index.sum())
+
+    def stats_line(self, steps: Optional[int] = None) -> str:
+        """``kv_canary stats: steps=N violations=V TAG=runs:..,verified:..,written:.. ...`` from the
+        counters last read back (``steps`` defaults to the monitor's step count)."""
+        steps = self.steps if steps is None else steps
+        if self.counters is None:
+            return f"kv_canary stats: steps={steps} violations=0"
+        return format_stats_line(steps, self.total, self.counters, self.stats_tags)
