@@ -7,17 +7,39 @@ mutating ops alias their state inputs to their outputs.
 
 from __future__ import annotations
 
+import jax
+
 from . import checks, consts
 from .errors import KvCanaryTypeError
 from .inputs import VerifyPlan, WritePlan
+
+
+# Static (compile-time) options of each op: the pure-JAX backend is called through one cached
+# jax.jit per op, so eager calls compile once per shape instead of dispatching op by op.
+_STATIC = {
+    "verify": ("tag", "check_verify_expected_token", "real_kv_hash_mode"),
+    "write": ("tag", "enable_write_input_assert", "real_kv_hash_mode"),
+    "plan": ("verify_capacity", "write_req_capacity", "swa_window_size", "kv_token_id_vs_position_offset"),
+    "scatter_req_token_ids": (),
+}
+
+
+class _JittedXla:
+    def __getattr__(self, name):
+        from . import xla_impl
+        fn = jax.jit(getattr(xla_impl, name), static_argnames=_STATIC[name])
+        setattr(self, name, fn)
+        return fn
+
+
+_XLA = _JittedXla()
 
 
 def _backend(name: str):
     if name == "ffi":
         from . import _ffi
         return _ffi
-    from . import xla_impl
-    return xla_impl
+    return _XLA
 
 
 def verify(canary, log, verify_plan, *, tag, check_verify_expected_token=False, real_kv_sources=(),

@@ -1,0 +1,707 @@
+"""Pure-JAX backend (``impl="xla"``): plan / write / verify / scatter_req_token_ids in jax.numpy and lax.
+
+Bit-identical to the native handlers (spec §3-§9) on every backend, with ``jax_enable_x64`` off or on.
+Arguments were validated by ``ops.py`` at trace time; nothing here re-validates.
+
+Representation. Every 64-bit quantity (record fields, hashes, ring columns, counters) is a pair
+``(lo, hi)`` of uint32 arrays (``_u64``); records and rows are bitcast to/from uint8. Index inputs
+keep their dtype (int32, or int64 with x64 on) for comparisons and are widened (sign-extended) into
+pairs when stored.
+
+Structure.
+- verify: fully vectorised over entries (no loops, no control flow).
+- write: everything is vectorised except the hash chain, which is inherently serial per request.
+  The chain runs as a ``while_loop`` over the entry index *within* a request with all requests
+  vectorised (depth = longest request). That is exact unless a request's seed slot was written by an
+  earlier request of the same launch (§7.4, a caller error in practice); a vectorised detector finds
+  that case and ``lax.cond`` switches to an exact sequential ``while_loop`` over the flat entries.
+  Stores are one scatter of each slot's last writer (flat order = (request, entry) order), so
+  duplicate slots resolve deterministically ("later wins").
+- ring append (§5.1): per-item row counts, an inclusive cumsum, and for each ring row the item found by
+  binary search; rows are rebuilt for those ``capacity`` items only and selected into the ring.
+- plan: saturating scan of the verify lengths + binary search for the owning batch row.
+No host callbacks anywhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _u64 as U
+from . import consts
+from .state import ViolationLog
+from .inputs import VerifyPlan, WritePlan
+
+I32 = jnp.int32
+U32 = jnp.uint32
+INT32_MAX = 2**31 - 1
+
+# Testing hook, read at trace time: always take write's sequential chain path (normally taken only
+# when a seed slot was written earlier in the same launch). The results must not depend on it.
+FORCE_SEQUENTIAL_WRITE = False
+_OOB = int(consts.FailReason.INDEX_OUT_OF_RANGE)
+_K = consts.IndexKind
+
+
+# ---- small helpers ------------------------------------------------------------------------------
+
+def _iota(n):
+    return jnp.arange(n, dtype=I32)
+
+
+def _pc(value: int, shape):
+    return U.const(int(value), shape)
+
+
+def _pi(x):
+    return U.from_int(x)
+
+
+def _i32(x):
+    return lax.convert_element_type(x, I32)
+
+
+def _searchsorted(a, v, side):
+    # 'scan_unrolled': log2(len(a)) unrolled gather steps, no while loop (GPU friendly).
+    return _i32(jnp.searchsorted(a, v, side=side, method="scan_unrolled"))
+
+
+def _vma(x):
+    """Manual mesh axes ``x`` varies over inside ``jax.shard_map`` (empty outside)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)                     # older jax
+    if vma is None:
+        mat = getattr(aval, "manual_axis_type", None)    # jax >= 0.10
+        vma = getattr(mat, "varying", None)
+    return frozenset(vma or ())
+
+
+def _vary(tree, refs):
+    """Under ``jax.shard_map`` (check_vma): mark the loop carries in ``tree`` as varying over every
+    manual axis that any of ``refs`` varies over, so a loop's carry types match its body's outputs.
+    A no-op outside shard_map."""
+    axes = frozenset()
+    for r in jax.tree_util.tree_leaves(refs):
+        axes |= _vma(r)
+    if not axes:
+        return tree
+
+    def cast(x):
+        missing = tuple(sorted(axes - _vma(x)))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
+def _counter_add(counters, tag: int, delta):
+    """counters[tag] += delta (little-endian int64, wrap mod 2**64); delta: int32 scalar >= 0."""
+    p = U.from_bytes(counters[tag][None, :])                    # pair of [1]
+    d = (jnp.reshape(lax.bitcast_convert_type(_i32(delta), U32), (1,)), jnp.zeros((1,), U32))
+    p = U.add(p, d)
+    return counters.at[tag].set(U.to_bytes(p[0], p[1]).reshape(consts.COUNTER_BYTES))
+
+
+def _stack_cols(cols):
+    return jnp.stack([c[0] for c in cols], -1), jnp.stack([c[1] for c in cols], -1)
+
+
+def _select_cols(kind, options):
+    """options: list (by kind) of 8-column pair lists; select by ``kind`` (int32 [n])."""
+    out = options[-1]
+    for k in range(len(options) - 2, -1, -1):
+        out = [U.where(kind == k, a, b) for a, b in zip(options[k], out)]
+    return out
+
+
+def _nth_set(q, masks):
+    """Index of the q-th (0-based) set mask among ``masks`` (in order); q < sum(masks) assumed."""
+    kind = jnp.full(q.shape, len(masks) - 1, I32)
+    acc = jnp.zeros(q.shape, I32)
+    found = jnp.zeros(q.shape, bool)
+    for k, m in enumerate(masks):
+        acc = acc + m.astype(I32)
+        hit = (~found) & (q < acc)
+        kind = jnp.where(hit, k, kind)
+        found = found | hit
+    return kind
+
+
+def _append(log: ViolationLog, counts, build_rows):
+    """Deterministic fill-once ring append (spec §5.1).
+
+    counts: int32 [M], rows contributed by item m (items in output order).
+    build_rows(item, q) -> list of 8 pairs [cap]: the q-th row of each item.
+    Returns (ring, write_index).
+    """
+    ring = log.ring
+    cap = ring.shape[0]
+    m = counts.shape[0]
+    n = jnp.sum(counts, dtype=I32)
+    base = log.write_index[0]
+    j = _iota(cap)
+    k = j - base                              # int32 wrap only when j - base >= 2**31: rejected below
+    valid = (j >= base) & (k >= 0) & (k < n)
+    incl = jnp.cumsum(counts, dtype=I32)
+    item = jnp.clip(_searchsorted(incl, k, "right"), 0, m - 1)
+    q = k - (incl[item] - counts[item])
+    cols = build_rows(item, q)
+    lo, hi = _stack_cols(cols)
+    rows = U.to_bytes(lo, hi)                 # [cap, 64]
+    ring = jnp.where(valid[:, None], rows, ring)
+    write_index = jnp.where(base > INT32_MAX - n, INT32_MAX, base + n).astype(I32).reshape(1)
+    return ring, write_index
+
+
+def _read_records(canary, slots_clamped):
+    """Record fields (token, position, prev_hash, real_kv_hash) of int32 slots in [0, S): 4 pairs."""
+    lo, hi = U.from_bytes(canary[slots_clamped, : consts.CANARY_SLOT_BYTES])
+    return [(lo[..., f], hi[..., f]) for f in range(consts.CANARY_FIELDS_PER_SLOT)]
+
+
+# ---- real-KV sources (spec §4.4) ----------------------------------------------------------------
+
+def _source_words(arr):
+    """The array's row-major memory image as uint32 words: [rows, row_bytes // 4]."""
+    rows = arr.shape[0]
+    dt = np.dtype(arr.dtype)
+    if dt == np.bool_:
+        arr = arr.astype(jnp.uint8)
+        dt = np.dtype(np.uint8)
+    if dt.kind == "c":
+        arr = jnp.stack([jnp.real(arr), jnp.imag(arr)], axis=-1)
+        dt = np.dtype(arr.dtype)
+    isz = dt.itemsize
+    per_row = int(np.prod(arr.shape[1:], dtype=np.int64))   # elements per row (explicit: rows may be 0)
+    flat = arr.reshape(rows, per_row)
+    if isz == 1 or isz == 2:
+        return lax.bitcast_convert_type(flat.reshape(rows, per_row * isz // 4, 4 // isz), U32)
+    if isz == 4:
+        return lax.bitcast_convert_type(flat, U32)
+    if isz == 8:
+        return lax.bitcast_convert_type(flat, U32).reshape(rows, per_row * 2)
+    raise TypeError(f"kv-canary: internal: unsupported real-KV element size {isz}")
+
+
+class _Src:
+    def __init__(self, src, mode: int):
+        self.words = _source_words(src.array)
+        self.rows = int(src.array.shape[0])
+        self.ps = int(src.page_size)
+        self.wpt = int(src.num_bytes_per_token) // 4       # words per token strip
+        eff = consts.REAL_KV_PARTIAL_BYTES if mode == int(consts.RealKvHashMode.PARTIAL) else int(src.read_bytes)
+        self.chunks = eff // consts.REAL_KV_CHUNK_BYTES
+
+
+def _prep_sources(sources, mode):
+    if mode == int(consts.RealKvHashMode.NONE) or not sources:
+        return []
+    return [_Src(s, mode) for s in sources]
+
+
+def _rkv_address(srcs, sc):
+    """First unaddressable source of int32 slots sc >= 0: (k or -1, row value, bound)."""
+    first = jnp.full(sc.shape, -1, I32)
+    rowval = jnp.zeros(sc.shape, I32)
+    bound = jnp.zeros(sc.shape, I32)
+    for k in range(len(srcs) - 1, -1, -1):      # reverse, so the lowest failing index wins
+        s = srcs[k]
+        row = sc // s.ps
+        fail = row >= s.rows
+        first = jnp.where(fail, k, first)
+        rowval = jnp.where(fail, row, rowval)
+        bound = jnp.where(fail, s.rows, bound)
+    return first, rowval, bound
+
+
+def _fold_one(s: _Src, sc):
+    acc = U.zeros(sc.shape)
+    if s.rows == 0:
+        return acc
+    rc = jnp.clip(sc // s.ps, 0, s.rows - 1)[:, None]
+    col = ((sc % s.ps) * s.wpt)[:, None] + _iota(4)[None, :]
+
+    def chunk(mi, acc):
+        w = s.words[rc, col + 4 * mi]                      # [n, 4]
+        acc = U.splitmix64(U.xor(acc, (w[:, 0], w[:, 1])))
+        return U.splitmix64(U.xor(acc, (w[:, 2], w[:, 3])))
+
+    if s.chunks <= 4:
+        for mi in range(s.chunks):
+            acc = chunk(mi, acc)
+        return acc
+    return lax.fori_loop(0, s.chunks, chunk, _vary(acc, (s.words, sc)))
+
+
+def _rkv_hash(srcs, sc):
+    acc = U.zeros(sc.shape)
+    for s in srcs:
+        acc = U.splitmix64(U.xor(acc, _fold_one(s, sc)))
+    return acc
+
+
+# ---- VERIFY (spec §8) ---------------------------------------------------------------------------
+
+def verify(canary, log, verify_plan, *, tag: int, check_verify_expected_token: bool,
+           real_kv_sources: tuple, real_kv_hash_mode: int) -> ViolationLog:
+    tag = int(tag)
+    check = bool(check_verify_expected_token)
+    vp = verify_plan
+    S = int(canary.shape[0])
+    V = int(vp.slot_indices.shape[0])
+    srcs = _prep_sources(real_kv_sources, int(real_kv_hash_mode))
+
+    kernel = _counter_add(log.kernel_run_counters, tag, 1)
+    enabled = vp.enable[0] != 0
+    active = jnp.where(enabled, jnp.clip(vp.num_valid[0], 0, V), 0).astype(I32)
+    slot_ctr = _counter_add(log.slot_run_counters, tag, active)
+
+    def fields(ix, full=None):
+        """Everything about entries ix (int32 [n]; None = all entries in order). With ``full`` (the
+        result for all entries), the hashed values are gathered from it instead of recomputed."""
+        def g(a):
+            return a if ix is None else a[ix]
+        e = _iota(V) if ix is None else ix
+        n = e.shape
+        act = e < active
+        slot = g(vp.slot_indices)
+        prev = g(vp.prev_slot_indices)
+        slot_oob = act & (slot != 0) & ((slot < 0) | (slot >= S))
+        live = act & (slot > 0) & (slot < S)
+        sc = _i32(jnp.clip(slot, 0, S - 1))
+        st_tok, st_pos, st_chain, st_rkv = _read_records(canary, sc)
+        prev_oob = live & (prev >= S)
+        epos = _pi(g(vp.expected_positions))
+        etok = _pi(g(vp.expected_tokens)) if check else _pc(-1, n)
+        if srcs:
+            rk_first, rk_row, rk_bound = _rkv_address(srcs, sc)
+            rkv_oob = live & (rk_first >= 0)
+        else:
+            rk_first = rk_row = rk_bound = jnp.zeros(n, I32)
+            rkv_oob = jnp.zeros(n, bool)
+        if full is not None:
+            exp_chain = (full["exp_chain"][0][ix], full["exp_chain"][1][ix])
+            bits = full["bits"][ix]
+        else:
+            chain_checked = live & (prev != 0) & (prev < S)
+            pc = _i32(jnp.clip(prev, 0, S - 1))
+            p_tok, p_pos, p_chain, _ = _read_records(canary, pc)
+            succ = U.where(prev < 0, U.anchor_hash(n), U.mix3(p_chain, p_tok, p_pos))
+            exp_chain = U.where(chain_checked, succ, st_chain)
+            if check:
+                tok_bad = (g(vp.expected_tokens) != -1) & U.ne(st_tok, etok)
+            else:
+                tok_bad = jnp.zeros(n, bool)
+            exp_rkv = _rkv_hash(srcs, sc) if srcs else U.zeros(n)
+            bits = (jnp.where(chain_checked & U.ne(st_chain, exp_chain), 1, 0)
+                    | jnp.where(tok_bad, 32, 0)
+                    | jnp.where(U.ne(st_pos, epos), 2, 0)
+                    | jnp.where((~rkv_oob) & U.ne(st_rkv, exp_rkv), 4, 0)).astype(I32)
+            bits = jnp.where(live, bits, 0)
+        masks = (slot_oob | prev_oob, rkv_oob, bits != 0)
+        return dict(masks=masks, slot=slot, prev=prev, slot_oob=slot_oob, epos=epos, etok=etok,
+                    st_tok=st_tok, st_pos=st_pos, st_chain=st_chain, exp_chain=exp_chain, bits=bits,
+                    rk_first=rk_first, rk_row=rk_row, rk_bound=rk_bound)
+
+    all_f = fields(None)
+    counts = sum(m.astype(I32) for m in all_f["masks"])
+
+    def build_rows(item, q):
+        f = fields(item, all_f)
+        n = item.shape
+        kind = _nth_set(q, f["masks"])
+        tagp = _pc(tag, n)
+        slot = _pi(f["slot"])
+        m1 = _pc(-1, n)
+        so = f["slot_oob"]
+        oob_idx = [tagp, slot, f["epos"], m1,
+                   U.where(so, slot, _pi(f["prev"])),
+                   _pi(jnp.where(so, int(_K.VERIFY_SLOT), int(_K.VERIFY_PREV)).astype(I32)),
+                   _pc(S, n), _pc(_OOB, n)]
+        oob_rkv = [tagp, slot, f["epos"], m1, _pi(f["rk_row"]),
+                   _pi(int(_K.REAL_KV_SOURCE_0) + f["rk_first"]), _pi(f["rk_bound"]), _pc(_OOB, n)]
+        check_row = [tagp, slot, f["st_pos"], f["st_tok"], f["etok"], f["st_chain"], f["exp_chain"],
+                     _pi(f["bits"])]
+        return _select_cols(kind, [oob_idx, oob_rkv, check_row])
+
+    ring, write_index = _append(log, counts, build_rows)
+    return ViolationLog(ring=ring, write_index=write_index, kernel_run_counters=kernel,
+                        slot_run_counters=slot_ctr,
+                        enable_chain_position_assert=log.enable_chain_position_assert)
+
+
+# ---- WRITE (spec §7) ----------------------------------------------------------------------------
+
+def _lex_lower_bound(sk, si, s, t, n):
+    """First p in [0, n] with (sk[p], si[p]) >= (s, t) lexicographically; vectorised over s, t."""
+    lo = jnp.zeros(s.shape, I32)
+    hi = jnp.full(s.shape, n, I32)
+    for _ in range(max(1, int(n).bit_length())):
+        mid = (lo + hi) // 2
+        mc = jnp.clip(mid, 0, n - 1)
+        kv = sk[mc]
+        iv = si[mc]
+        less = (kv < s) | ((kv == s) & (iv < t))
+        open_ = lo < hi
+        lo = jnp.where(open_ & less, mid + 1, lo)
+        hi = jnp.where(open_ & ~less, mid, hi)
+    return lo
+
+
+def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag: int,
+          enable_write_input_assert: bool, expected_input_tokens, expected_input_positions,
+          real_kv_sources: tuple, real_kv_hash_mode: int):
+    tag = int(tag)
+    input_assert = bool(enable_write_input_assert)
+    wp = write_plan
+    S = int(canary.shape[0])
+    C = int(wp.seed_slot_indices.shape[0])
+    N = int(input_ids.shape[0])
+    srcs = _prep_sources(real_kv_sources, int(real_kv_hash_mode))
+
+    kernel = _counter_add(log.kernel_run_counters, tag, 1)
+    if N == 0:   # every range clamps to empty: only the kernel counter moves (§7.5)
+        return canary, ViolationLog(log.ring, log.write_index, kernel, log.slot_run_counters,
+                                    log.enable_chain_position_assert)
+
+    # -- request ranges: monotone clamp o = cummax(clip(offsets, 0, N)), padded past `active`
+    active = jnp.clip(wp.num_valid_reqs[0], 0, C).astype(I32)
+    ks = _iota(C + 1)
+    o = lax.cummax(_i32(jnp.clip(wp.offsets, 0, N)), axis=0)
+    o_end = o[active]
+    o = jnp.where(ks <= active, o, o_end)
+    r_lo, r_hi = o[:C], o[1:]
+    nonempty = r_hi > r_lo
+
+    seeds = wp.seed_slot_indices
+    seed_oob = nonempty & (seeds >= S)
+    has_seed = nonempty & (seeds >= 0) & (seeds < S)
+    chain_on = log.enable_chain_position_assert[0] != 0
+    do_pos = has_seed & chain_on
+    seed_c = _i32(jnp.clip(seeds, 0, S - 1))
+    s_tok, s_pos, s_chain, _ = _read_records(canary, seed_c)
+    seed_hash0 = U.where(has_seed, U.mix3(s_chain, s_tok, s_pos), U.anchor_hash((C,)))
+    seed_pos0 = U.where(do_pos, s_pos, U.zeros((C,)))
+
+    # -- flat entries
+    i_all = _iota(N)
+    req_all = jnp.clip(_searchsorted(o[1:], i_all, "right"), 0, C - 1)
+    ent_act = (i_all >= o[0]) & (i_all < o_end)
+    nonskip_all = ent_act & (out_cache_loc >= 0)
+    in_range_all = nonskip_all & (out_cache_loc < S)
+    tok_all = _pi(input_ids)
+    pos_all = _pi(positions)
+
+    # -- writers sorted by (slot, flat index): last writer per slot, and seed conflicts
+    key = jnp.where(in_range_all, _i32(jnp.clip(out_cache_loc, 0, S - 1)), S).astype(I32)
+    sk, si = lax.sort((key, i_all), num_keys=2)
+    seed_key = jnp.where(has_seed, seed_c, -1)
+    p = _lex_lower_bound(sk, si, seed_key, r_lo, N)
+    pm = jnp.clip(p - 1, 0, N - 1)
+    writer = jnp.where(has_seed & (p > 0) & (sk[pm] == seed_key), si[pm], -1)
+    conflict = jnp.any(writer >= 0)
+    if FORCE_SEQUENTIAL_WRITE:
+        conflict = jnp.asarray(True)
+
+    # -- the chain: running hash stored at each entry and the chain-assert expected position
+    loop_refs = (canary, log, wp, input_ids, positions, out_cache_loc)
+    def fast(_):
+        lengths = r_hi - r_lo
+        lmax = jnp.max(lengths)
+
+        def body(state):
+            j, run, last, buf = state
+            i = r_lo + j
+            ic = jnp.clip(i, 0, N - 1)
+            ns = (i < r_hi) & (out_cache_loc[ic] >= 0)
+            tok = _pi(input_ids[ic])
+            pos = _pi(positions[ic])
+            exp = U.add_small(last, 1)
+            upd = jnp.stack([run[0], run[1], exp[0], exp[1]], -1)
+            buf = buf.at[jnp.where(ns, i, N)].set(upd, mode="drop")
+            run = U.where(ns, U.mix3(run, tok, pos), run)
+            last = U.where(ns, pos, last)
+            return j + 1, run, last, buf
+
+        init = _vary((jnp.zeros((), I32), seed_hash0, seed_pos0, jnp.zeros((N, 4), U32)), loop_refs)
+        return lax.while_loop(lambda st: st[0] < lmax, body, init)[3]
+
+    def slow(_):
+        # Exact §7.3 order, one flat entry per iteration. A seed written earlier in this launch reads
+        # the record its last writer stored: (token, position, running hash) of that entry, whose
+        # successor hash is the running hash *after* it (column 4-5 of the carry).
+        def body(i, state):
+            run, last, buf = state
+            r = req_all[i]
+            start = i == r_lo[r]
+            w = writer[r]
+            wc = jnp.clip(w, 0, N - 1)
+            has_w = w >= 0
+            s_hash = U.where(has_w, (buf[wc, 4], buf[wc, 5]), (seed_hash0[0][r], seed_hash0[1][r]))
+            s_p = U.where(has_w & do_pos[r], _pi(positions[wc]), (seed_pos0[0][r], seed_pos0[1][r]))
+            run = U.where(start, s_hash, run)
+            last = U.where(start, s_p, last)
+            ns = out_cache_loc[i] >= 0
+            pos = _pi(positions[i])
+            exp = U.add_small(last, 1)
+            nxt = U.mix3(run, _pi(input_ids[i]), pos)
+            buf = buf.at[i].set(jnp.stack([run[0], run[1], exp[0], exp[1], nxt[0], nxt[1]]))
+            run = U.where(ns, nxt, run)
+            last = U.where(ns, pos, last)
+            return run, last, buf
+
+        init = _vary((U.zeros(()), U.zeros(()), jnp.zeros((N, 6), U32)), loop_refs)
+        return lax.fori_loop(o[0], o_end, body, init)[2][:, :4]
+
+    buf = lax.cond(conflict, slow, fast, None)
+    running_all = (buf[:, 0], buf[:, 1])
+    exp_all = (buf[:, 2], buf[:, 3])
+
+    def fields(ix):
+        def g(a):
+            return a if ix is None else a[ix]
+        i = i_all if ix is None else ix
+        n = i.shape
+        req = g(req_all)
+        act = g(ent_act)
+        slot = g(out_cache_loc)
+        nonskip = act & (slot >= 0)
+        in_range = nonskip & (slot < S)
+        tok_raw = g(input_ids)
+        pos_raw = g(positions)
+        tok = _pi(tok_raw)
+        pos = _pi(pos_raw)
+        running = (g(running_all[0]), g(running_all[1]))
+        exp = (g(exp_all[0]), g(exp_all[1]))
+        is_start = act & (i == r_lo[req])
+        m0 = is_start & seed_oob[req]
+        sc = _i32(jnp.clip(slot, 0, S - 1))
+        if srcs:
+            rk_first, rk_row, rk_bound = _rkv_address(srcs, sc)
+            rkv_oob = in_range & (rk_first >= 0)
+        else:
+            rk_first = rk_row = rk_bound = jnp.zeros(n, I32)
+            rkv_oob = jnp.zeros(n, bool)
+        slot_oob = nonskip & (slot >= S)
+        m1 = slot_oob | rkv_oob
+        if input_assert:
+            et_raw = g(expected_input_tokens)
+            ep_raw = g(expected_input_positions)
+            ibits = (jnp.where(tok_raw != et_raw, 8, 0) | jnp.where(pos_raw != ep_raw, 16, 0)).astype(I32)
+            m2 = nonskip & (ibits != 0)
+            et, ep = _pi(et_raw), _pi(ep_raw)
+        else:
+            ibits = jnp.zeros(n, I32)
+            m2 = jnp.zeros(n, bool)
+            et = ep = U.zeros(n)
+        m3 = nonskip & do_pos[req] & U.ne(pos, exp)
+        return dict(masks=(m0, m1, m2, m3), req=req, slot=slot, slot_oob=slot_oob, tok=tok, pos=pos,
+                    running=running, exp=exp, et=et, ep=ep, ibits=ibits, in_range=in_range,
+                    rkv_oob=rkv_oob, rk_first=rk_first, rk_row=rk_row, rk_bound=rk_bound, sc=sc,
+                    nonskip=nonskip)
+
+    all_f = fields(None)
+    counts = sum(m.astype(I32) for m in all_f["masks"])
+    written = jnp.sum(all_f["nonskip"], dtype=I32)
+
+    # -- rows
+    def build_rows(item, q):
+        f = fields(item)
+        n = item.shape
+        kind = _nth_set(q, f["masks"])
+        tagp = _pc(tag, n)
+        slot = _pi(f["slot"])
+        seed = _pi(seeds[f["req"]])
+        m1 = _pc(-1, n)
+        so = f["slot_oob"]
+        seed_row = [tagp, seed, m1, m1, seed, _pc(int(_K.WRITE_SEED), n), _pc(S, n), _pc(_OOB, n)]
+        oob_row = [tagp, slot, f["pos"], f["tok"],
+                   U.where(so, slot, _pi(f["rk_row"])),
+                   _pi(jnp.where(so, int(_K.WRITE_SLOT), int(_K.REAL_KV_SOURCE_0) + f["rk_first"]).astype(I32)),
+                   U.where(so, _pc(S, n), _pi(f["rk_bound"])), _pc(_OOB, n)]
+        input_row = [tagp, slot, f["pos"], f["tok"], f["et"], f["running"], f["ep"], _pi(f["ibits"])]
+        chain_row = [tagp, slot, f["pos"], f["tok"], f["tok"], f["running"], f["exp"], _pc(16, n)]
+        return _select_cols(kind, [seed_row, oob_row, input_row, chain_row])
+
+    ring, write_index = _append(log, counts, build_rows)
+
+    # -- stores: the last writer of each slot (largest flat index), one deterministic scatter
+    if srcs:
+        rkv = _rkv_hash(srcs, all_f["sc"])
+        rkv = U.where(all_f["rkv_oob"], U.zeros((N,)), rkv)
+    else:
+        rkv = U.zeros((N,))
+    rec_lo = jnp.stack([tok_all[0], pos_all[0], running_all[0], rkv[0]], -1)
+    rec_hi = jnp.stack([tok_all[1], pos_all[1], running_all[1], rkv[1]], -1)
+    nxt = jnp.concatenate([sk[1:], jnp.full((1,), -1, I32)])
+    is_last = (sk < S) & (sk != nxt)
+    dst = jnp.where(is_last, sk, S)
+    # Make the in-place store data-depend on the updated log, so it is ordered after every earlier
+    # reader of this canary whose results flowed into the log (e.g. a verify just before this write).
+    # Without it XLA cannot order the two and copies the (donated) canary. dep >= S, so min() is a
+    # no-op on the values.
+    dep = S + (ring[0, 0].astype(I32) | (write_index[0] & 0x7F))
+    dst = jnp.minimum(dst, dep)
+    rec = U.to_bytes(rec_lo[si], rec_hi[si])                   # [N, 32] in sorted order
+    if canary.shape[1] == consts.CANARY_SLOT_BYTES:
+        canary = canary.at[dst].set(rec, mode="drop")
+    else:
+        canary = canary.at[dst, : consts.CANARY_SLOT_BYTES].set(rec, mode="drop")
+
+    slot_ctr = _counter_add(log.slot_run_counters, tag, written)
+    return canary, ViolationLog(ring=ring, write_index=write_index, kernel_run_counters=kernel,
+                                slot_run_counters=slot_ctr,
+                                enable_chain_position_assert=log.enable_chain_position_assert)
+
+
+# ---- PLAN (spec §9) -----------------------------------------------------------------------------
+
+def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify_capacity: int,
+         write_req_capacity: int, swa_window_size: int, full_to_swa_index_mapping,
+         req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
+         kv_token_id_vs_position_offset: int):
+    x64 = U.x64_enabled()
+    D = jnp.int64 if x64 else I32
+    dmax = 2**63 - 1 if x64 else INT32_MAX
+    Vc = int(verify_capacity)
+    Wc = int(write_req_capacity)
+    W = int(swa_window_size)
+    off = int(kv_token_id_vs_position_offset)
+    lut = full_to_swa_index_mapping
+    pool = req_to_verify_expected_tokens
+    vlens = req_to_verify_expected_tokens_valid_lens
+
+    bs = int(req_pool_indices.shape[0])
+    R, L = (int(d) for d in req_to_token.shape)
+    rp = req_pool_indices.astype(D)
+    P = prefix_lens.astype(D)
+    E = extend_seq_lens.astype(D)
+    live = rp != consts.REQ_POOL_IDX_PADDING
+
+    def rt(rpv, pos):
+        if R == 0 or L == 0:
+            return jnp.full(pos.shape, -1, D)
+        ok = (rpv >= 0) & (rpv < R) & (pos >= 0) & (pos < L)
+        v = req_to_token[jnp.clip(rpv, 0, R - 1), jnp.clip(pos, 0, L - 1)].astype(D)
+        return jnp.where(ok, v, -1)
+
+    def T(x):
+        if lut is None:
+            return x
+        n = int(lut.shape[0])
+        ok = (x >= 0) & (x < n)
+        return jnp.where(ok, lut[jnp.clip(x, 0, n - 1)].astype(D), -1)
+
+    # int64 wrap-around semantics (spec §9.3; the native core uses add_wrap/sub_wrap). With x64 off
+    # the inputs are int32 and the guarded forms below equal the int64 results exactly.
+    if W > 0:
+        if x64:
+            d = P - jnp.asarray(min(W, dmax), D)
+            ws = jnp.where(d > 0, d, 0)
+        elif W >= INT32_MAX:
+            ws = jnp.zeros_like(P)
+        else:
+            ws = jnp.where(P > W, P - W, 0)
+    else:
+        ws = jnp.zeros_like(P)
+    span = P - ws
+    vlen = jnp.where(live & (span > 0), span, 0)
+    wlen = jnp.where(live & (E > 0), E, 0)
+    seed = jnp.where(live & (P > 0) & (wlen > 0), T(rt(rp, P - 1)), -1)
+
+    # write plan
+    offsets = jnp.zeros((Wc + 1,), I32)
+    seeds_out = jnp.zeros((Wc,), I32)
+    if bs:
+        offsets = offsets.at[1:bs + 1].set(_i32(jnp.cumsum(wlen, dtype=D)))
+        seeds_out = seeds_out.at[:bs].set(_i32(seed))
+    write_plan = WritePlan(offsets=offsets, seed_slot_indices=seeds_out,
+                           num_valid_reqs=jnp.full((1,), bs, I32))
+
+    # verify plan: saturating inclusive scan of the lengths (cap Vc + 1), binary search per entry
+    zeros_v = jnp.zeros((Vc,), I32)
+    if bs == 0:
+        vplan = VerifyPlan(slot_indices=zeros_v, expected_tokens=zeros_v, expected_positions=zeros_v,
+                           prev_slot_indices=zeros_v, num_valid=jnp.zeros((1,), I32),
+                           enable=jnp.ones((1,), I32))
+        return vplan, write_plan
+    cap1 = Vc + 1                                      # <= 2**31: fits uint32, sums never wrap
+    vl_u = jnp.minimum(lax.convert_element_type(jnp.clip(vlen, 0, min(cap1, dmax)), U32), np.uint32(cap1))
+
+    def sat_add(a, b):
+        return jnp.where(a > np.uint32(cap1) - b, np.uint32(cap1), a + b)
+
+    incl = lax.associative_scan(sat_add, vl_u)
+    total_sat = incl[-1]
+    if x64:
+        total = jnp.sum(vlen, dtype=jnp.int64)         # wrapping, as the native loop
+        enable = total <= Vc
+        num_valid = jnp.minimum(total, Vc)
+    else:
+        enable = total_sat <= np.uint32(Vc)
+        num_valid = jnp.minimum(total_sat, np.uint32(Vc))
+    e = jnp.arange(Vc, dtype=U32)
+    filled = enable & ((e.astype(jnp.int64) < total) if x64 else (e < total_sat))
+    r = jnp.clip(_searchsorted(incl, e, "right"), 0, bs - 1)
+    j = lax.convert_element_type(e - (incl[r] - vl_u[r]), D)
+    rpr = rp[r]
+    pos = ws[r] + j
+    slot = T(rt(rpr, pos))
+    prev = jnp.where(pos > 0, T(rt(rpr, pos - 1)), -1)
+    if pool is not None:
+        Rp, Cp = (int(d) for d in pool.shape)
+        s = pos + jnp.asarray(off, D)
+        vl = vlens.astype(D)[r]
+        ok = (s >= 0) & (s < vl) & (s < Cp) & (rpr >= 0) & (rpr < Rp)
+        if Rp == 0 or Cp == 0:
+            tok = jnp.full(pos.shape, -1, D)
+        else:
+            tok = jnp.where(ok, pool[jnp.clip(rpr, 0, Rp - 1), jnp.clip(s, 0, Cp - 1)].astype(D), -1)
+    else:
+        tok = jnp.full(pos.shape, -1, D)
+
+    def out(x):
+        return jnp.where(filled, _i32(x), 0)
+
+    vplan = VerifyPlan(slot_indices=out(slot), expected_tokens=out(tok), expected_positions=out(pos),
+                       prev_slot_indices=out(prev),
+                       num_valid=_i32(num_valid).reshape(1), enable=enable.astype(I32).reshape(1))
+    return vplan, write_plan
+
+
+# ---- scatter_req_token_ids (spec §9.5) ----------------------------------------------------------
+
+def scatter_req_token_ids(pool, flat_ids, offsets, req_pool_indices):
+    x64 = U.x64_enabled()
+    D = jnp.int64 if x64 else I32
+    Rp, Cp = (int(d) for d in pool.shape)
+    bs = int(req_pool_indices.shape[0])
+    total = int(flat_ids.shape[0])
+    if bs == 0 or Rp == 0 or Cp == 0 or total == 0:
+        return pool
+    start = offsets[:bs].astype(D)
+    end = offsets[1:bs + 1].astype(D)
+    rp = req_pool_indices.astype(D)
+    if x64:
+        n = jnp.minimum(end - start, Cp)               # wrap-around, as the native core
+    else:
+        diff = lax.bitcast_convert_type(end, U32) - lax.bitcast_convert_type(start, U32)
+        n = jnp.where(end > start, _i32(jnp.minimum(diff, np.uint32(Cp))), 0)
+    ok = (n > 0) & (rp >= 0) & (rp < Rp)
+    c = _iota(Cp)[None, :]
+    src = start[:, None] + c.astype(D)                 # wraps only when the true value is >= 2**31
+    cell = ok[:, None] & (c < n[:, None]) & (src >= 0) & (src < total)
+    # later row wins: per group of rows sharing a pool row, the max r that writes each column
+    r = _iota(bs)
+    srt = jnp.sort(rp)
+    grp = _searchsorted(srt, rp, "left")
+    cand = jnp.where(cell, r[:, None], -1)
+    win = jnp.full((bs, Cp), -1, I32).at[jnp.broadcast_to(grp[:, None], (bs, Cp)),
+                                          jnp.broadcast_to(c, (bs, Cp))].max(cand)
+    is_win = cell & (win[grp] == r[:, None])
+    vals = flat_ids[jnp.clip(src, 0, total - 1)].astype(pool.dtype)
+    dst_r = jnp.where(is_win, _i32(jnp.clip(rp, 0, Rp - 1))[:, None], Rp)
+    return pool.at[dst_r, jnp.broadcast_to(c, (bs, Cp))].set(vals, mode="drop")
