@@ -119,17 +119,36 @@ KVC_HD uint64_t mix3(uint64_t a, uint64_t b, uint64_t c) {
 }
 
 // ---- little-endian 64-bit loads/stores on byte buffers -----------------------------------------
+// Every 64-bit field the core touches is 8-byte aligned: XLA buffers are at least 16-byte aligned,
+// canary strides are multiples of 8 (checked at trace time), ring rows are 64 bytes, counter rows 8
+// bytes and real-KV chunk offsets multiples of 16 (spec §3, §4.4). On the device a memcpy through a
+// uint8_t* compiles to eight byte loads, so the device path states that alignment (one 8-byte
+// access); the CUDA launchers check the buffer bases once on the host. Host code keeps memcpy.
 KVC_HD int64_t load_i64(const uint8_t* p) {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const int64_t*>(p);
+#else
   int64_t v;
   memcpy(&v, p, sizeof(v));
   return v;
+#endif
 }
 KVC_HD uint64_t load_u64(const uint8_t* p) {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const uint64_t*>(p);
+#else
   uint64_t v;
   memcpy(&v, p, sizeof(v));
   return v;
+#endif
 }
-KVC_HD void store_i64(uint8_t* p, int64_t v) { memcpy(p, &v, sizeof(v)); }
+KVC_HD void store_i64(uint8_t* p, int64_t v) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<int64_t*>(p) = v;
+#else
+  memcpy(p, &v, sizeof(v));
+#endif
+}
 
 // ---- index arrays: int32 or int64, widened on read ---------------------------------------------
 struct IndexView {
@@ -190,6 +209,27 @@ struct RealKvSourceView {
   int64_t read_bytes;
 };
 
+// A source view that is safe to address (spec §4.4). The Python checks guarantee page_size >= 1,
+// 16 | eff <= num_bytes_per_token and page_size * num_bytes_per_token <= row_bytes, so every strip of
+// a slot with row < rows lies inside the buffer. Geometry that breaks them anyway (never produced by
+// the Python checks) would reach past a row: it gets zero rows, so every slot is unaddressable (an
+// INDEX_OUT_OF_RANGE row) and no byte of it is ever read. No multiplication here can overflow.
+KVC_HD RealKvSourceView make_source_view(const uint8_t* data, int64_t rows, int64_t row_bytes, int64_t page_size,
+                                         int64_t bytes_per_token, int64_t read_bytes, int32_t mode) {
+  RealKvSourceView v{};
+  v.data = data;
+  v.rows = rows > 0 ? rows : 0;
+  v.row_bytes = row_bytes;
+  v.page_size = page_size > 0 ? page_size : 1;
+  v.bytes_per_token = bytes_per_token;
+  v.read_bytes = read_bytes;
+  const int64_t eff = mode == static_cast<int32_t>(RealKvHashMode::PARTIAL) ? REAL_KV_PARTIAL_BYTES : read_bytes;
+  const bool sane = page_size > 0 && bytes_per_token > 0 && eff > 0 && eff % REAL_KV_CHUNK_BYTES == 0 &&
+                    eff <= bytes_per_token && row_bytes >= 0 && page_size <= row_bytes / bytes_per_token;
+  if (!sane) v.rows = 0;
+  return v;
+}
+
 struct RealKvSources {
   RealKvSourceView src[MAX_REAL_KV_SOURCES];
   int32_t count;  // 0..4; 0 whenever mode is NONE
@@ -220,10 +260,13 @@ struct RealKvSources {
     }
     return acc;
   }
+  // One step of the outer per-source fold: acc' = splitmix64(acc ^ fold_one(k, slot)), from acc = 0,
+  // over k = 0..count-1 in order. (A launcher that folds the sources in parallel combines with this.)
+  KVC_HD static uint64_t combine(uint64_t acc, uint64_t fold) { return splitmix64(acc ^ fold); }
   // real_kv_hash of an addressable slot (active() must hold).
   KVC_HD uint64_t hash(int64_t slot) const {
     uint64_t acc = 0;
-    for (int k = 0; k < count; ++k) acc = splitmix64(acc ^ fold_one(k, slot));
+    for (int k = 0; k < count; ++k) acc = combine(acc, fold_one(k, slot));
     return acc;
   }
 };
@@ -356,6 +399,59 @@ KVC_HD int64_t write_count(const WriteArgs& a, int64_t lo, int64_t hi) {
   return n;
 }
 
+// The pieces of one request, so that a parallel launcher runs the same code as the sequential loop
+// below: the seed (with its OOB row), the real-KV addressability of an entry, and the rows of one
+// non-skipped entry once its chain hash and its expected position are known.
+
+// Effective seed of request r: seeds[r], or -1 after emitting the WRITE_SEED OOB row when it is >= S.
+template <class Emit>
+KVC_HD int64_t write_seed(const WriteArgs& a, int64_t r, Emit& emit) {
+  const int64_t S = a.canary.num_slots;
+  int64_t seed = a.seeds[r];
+  if (seed >= S) {
+    emit(oob_row(a.tag, seed, -1, -1, seed, IndexKind::WRITE_SEED, S));
+    seed = -1;
+  }
+  return seed;
+}
+
+// For a non-skipped entry (slot >= 0): the first real-KV source that cannot address the slot, or -1
+// (also -1 when the slot is out of range or no fingerprint is taken). The fingerprint is taken iff
+// write_takes_fingerprint().
+KVC_HD int write_rkv_oob(const WriteArgs& a, int64_t slot) {
+  if (slot >= a.canary.num_slots || !a.sources.active()) return -1;
+  return a.sources.first_unaddressable(slot);
+}
+KVC_HD bool write_takes_fingerprint(const WriteArgs& a, int64_t slot, int rkv_oob) {
+  return slot < a.canary.num_slots && a.sources.active() && rkv_oob < 0;
+}
+
+// Rows of non-skipped entry i, in order: the WRITE_SLOT or real-KV OOB row, the input-assert row,
+// the chain-position row. `chain` is the running hash before the entry (the value stored as
+// prev_hash); `expected_pos` is the previous non-skipped position (or the seed's stored position) + 1,
+// used only when do_pos. The row count does not depend on `chain`.
+template <class Emit>
+KVC_HD void write_entry_rows(const WriteArgs& a, int64_t i, int64_t slot, int64_t tok, int64_t pos, int rkv_oob,
+                             uint64_t chain_hash, bool do_pos, int64_t expected_pos, Emit& emit) {
+  const int64_t S = a.canary.num_slots;
+  if (slot >= S) {
+    emit(oob_row(a.tag, slot, pos, tok, slot, IndexKind::WRITE_SLOT, S));
+  } else if (rkv_oob >= 0) {
+    emit(oob_row(a.tag, slot, pos, tok, slot / a.sources.src[rkv_oob].page_size,
+                 static_cast<IndexKind>(code(IndexKind::REAL_KV_SOURCE_0) + rkv_oob), a.sources.src[rkv_oob].rows));
+  }
+  const int64_t chain = static_cast<int64_t>(chain_hash);
+  if (a.input_assert) {
+    const int64_t et = a.exp_tokens[i];
+    const int64_t ep = a.exp_positions[i];
+    const int64_t fail = (tok != et ? bits(FailReason::WRITE_TOKEN_MISMATCH) : 0) |
+                         (pos != ep ? bits(FailReason::WRITE_POSITION_MISMATCH) : 0);
+    if (fail) emit(make_row(a.tag, slot, pos, tok, et, chain, ep, fail));
+  }
+  if (do_pos && pos != expected_pos)
+    emit(make_row(a.tag, slot, pos, tok, tok, chain, expected_pos, bits(FailReason::WRITE_POSITION_MISMATCH)));
+}
+
 // Processes request r over flat entries [lo, hi): reads the seed, emits rows in order, stores
 // records. Returns the number of counted (non-skipped) entries. With do_store false nothing is
 // stored (a count pass); the rows and the return value do not depend on it.
@@ -364,11 +460,7 @@ KVC_HD int64_t write_request(const WriteArgs& a, int64_t r, int64_t lo, int64_t 
                              bool do_store = true) {
   if (hi <= lo) return 0;
   const int64_t S = a.canary.num_slots;
-  int64_t seed = a.seeds[r];
-  if (seed >= S) {
-    emit(oob_row(a.tag, seed, -1, -1, seed, IndexKind::WRITE_SEED, S));
-    seed = -1;
-  }
+  const int64_t seed = write_seed(a, r, emit);
   uint64_t running = a.canary.successor_hash(seed);
   const bool do_pos = seed >= 0 && a.chain_assert;
   int64_t last_pos = do_pos ? a.canary.load(seed).position : 0;
@@ -379,34 +471,11 @@ KVC_HD int64_t write_request(const WriteArgs& a, int64_t r, int64_t lo, int64_t 
     ++written;
     const int64_t tok = a.input_ids[i];
     const int64_t pos = a.positions[i];
-    const bool in_range = slot < S;
-    int64_t rkv = 0;
-    if (!in_range) {
-      emit(oob_row(a.tag, slot, pos, tok, slot, IndexKind::WRITE_SLOT, S));
-    } else if (a.sources.active()) {
-      const int k = a.sources.first_unaddressable(slot);
-      if (k < 0) {
-        rkv = static_cast<int64_t>(a.sources.hash(slot));
-      } else {
-        emit(oob_row(a.tag, slot, pos, tok, slot / a.sources.src[k].page_size,
-                     static_cast<IndexKind>(code(IndexKind::REAL_KV_SOURCE_0) + k), a.sources.src[k].rows));
-      }
-    }
-    const int64_t chain = static_cast<int64_t>(running);
-    if (a.input_assert) {
-      const int64_t et = a.exp_tokens[i];
-      const int64_t ep = a.exp_positions[i];
-      const int64_t fail = (tok != et ? bits(FailReason::WRITE_TOKEN_MISMATCH) : 0) |
-                           (pos != ep ? bits(FailReason::WRITE_POSITION_MISMATCH) : 0);
-      if (fail) emit(make_row(a.tag, slot, pos, tok, et, chain, ep, fail));
-    }
-    if (do_pos) {
-      const int64_t expected = add_wrap(last_pos, 1);
-      if (pos != expected)
-        emit(make_row(a.tag, slot, pos, tok, tok, chain, expected, bits(FailReason::WRITE_POSITION_MISMATCH)));
-      last_pos = pos;
-    }
-    if (in_range && do_store) a.canary.store(slot, Record{tok, pos, chain, rkv});
+    const int k = write_rkv_oob(a, slot);
+    const int64_t rkv = write_takes_fingerprint(a, slot, k) ? static_cast<int64_t>(a.sources.hash(slot)) : 0;
+    write_entry_rows(a, i, slot, tok, pos, k, running, do_pos, add_wrap(last_pos, 1), emit);
+    if (do_pos) last_pos = pos;
+    if (slot < S && do_store) a.canary.store(slot, Record{tok, pos, static_cast<int64_t>(running), rkv});
     running = mix3(running, static_cast<uint64_t>(tok), static_cast<uint64_t>(pos));
   }
   return written;

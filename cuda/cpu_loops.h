@@ -76,11 +76,14 @@ inline void plan_launch(const PlanArgs& a, int64_t bs, int64_t vcap, int64_t wca
     out.seeds[r] = static_cast<int32_t>(row.seed);
   }
   const bool enable = total <= vcap;
+  // Entries [0, total) only: with int64 inputs the wrap-around sum can be < 0 or smaller than the
+  // sum of a prefix of rows (spec §9.3), so the bound is total, not vcap.
+  const int64_t num_entries = total < vcap ? total : vcap;
   if (enable) {
     int64_t flat = 0;
-    for (int64_t r = 0; r < bs && flat < vcap; ++r) {
+    for (int64_t r = 0; r < bs && flat < num_entries; ++r) {
       const PlanRow row = plan_row(a, r);
-      for (int64_t j = 0; j < row.vlen && flat < vcap; ++j, ++flat) {
+      for (int64_t j = 0; j < row.vlen && flat < num_entries; ++j, ++flat) {
         const PlanEntry e = plan_entry(a, row, r, j);
         out.slots[flat] = static_cast<int32_t>(e.slot);
         out.tokens[flat] = static_cast<int32_t>(e.token);
@@ -89,7 +92,7 @@ inline void plan_launch(const PlanArgs& a, int64_t bs, int64_t vcap, int64_t wca
       }
     }
   }
-  out.num_valid[0] = static_cast<int32_t>(total < vcap ? total : vcap);
+  out.num_valid[0] = static_cast<int32_t>(num_entries);
   out.enable[0] = enable ? 1 : 0;
   out.num_valid_reqs[0] = static_cast<int32_t>(bs);
 }

@@ -22,7 +22,7 @@ inline int64_t dim_or_zero(const ffi::AnyBuffer& b, size_t d) {
 // Real-KV sources: buffers from RemainingArgs, geometry from static attributes. Rows and row bytes
 // come from the buffer itself, so they cannot disagree with what is mapped. A source whose geometry
 // would reach past its row (never produced by the Python checks) is treated as having no rows, so no
-// byte outside a buffer is ever read.
+// byte outside a buffer is ever read (make_source_view in canary_core.h).
 inline RealKvSources real_kv_sources(const ffi::RemainingArgs& srcs, int32_t mode,
                                      ffi::Span<const int64_t> page_size,
                                      ffi::Span<const int64_t> bytes_per_token,
@@ -34,18 +34,10 @@ inline RealKvSources real_kv_sources(const ffi::RemainingArgs& srcs, int32_t mod
   for (size_t k = 0; k < n; ++k) {
     auto buf = srcs.get<ffi::AnyBuffer>(k);
     if (!buf.has_value() || k >= page_size.size() || k >= bytes_per_token.size() || k >= read_bytes.size()) break;
-    RealKvSourceView v{};
-    v.data = static_cast<const uint8_t*>(buf->untyped_data());
-    v.rows = dim_or_zero(*buf, 0);
-    v.row_bytes = v.rows > 0 ? static_cast<int64_t>(buf->size_bytes()) / v.rows : 0;
-    v.page_size = page_size[k] > 0 ? page_size[k] : 1;
-    v.bytes_per_token = bytes_per_token[k];
-    v.read_bytes = read_bytes[k];
-    const int64_t eff = mode == static_cast<int32_t>(RealKvHashMode::PARTIAL) ? REAL_KV_PARTIAL_BYTES : v.read_bytes;
-    const bool sane = v.bytes_per_token > 0 && eff > 0 && eff % REAL_KV_CHUNK_BYTES == 0 &&
-                      eff <= v.bytes_per_token && v.page_size * v.bytes_per_token <= v.row_bytes;
-    if (!sane) v.rows = 0;
-    out.src[out.count++] = v;
+    const int64_t rows = dim_or_zero(*buf, 0);
+    const int64_t row_bytes = rows > 0 ? static_cast<int64_t>(buf->size_bytes()) / rows : 0;
+    out.src[out.count++] = make_source_view(static_cast<const uint8_t*>(buf->untyped_data()), rows, row_bytes,
+                                            page_size[k], bytes_per_token[k], read_bytes[k], mode);
   }
   if (out.count == 0) out.mode = static_cast<int32_t>(RealKvHashMode::NONE);
   if (out.mode == static_cast<int32_t>(RealKvHashMode::NONE)) out.count = 0;

@@ -1,0 +1,899 @@
+// fuzz_driver.cc: seeded fuzzing of the native launchers (cuda/cpu_loops.h) with malformed data.
+//
+// Every case builds exact-size heap buffers (so AddressSanitizer flags any byte read or written
+// outside them), fills them with malformed values (negative and huge slots, seeds, predecessors, LUT
+// entries, table and pool values; non-monotonic and overlong offsets; negative and huge counts;
+// ring capacity 1; canary and KV buffers of random bytes; real-KV sources with too few rows or
+// insane geometry), runs one launcher, and compares EVERY output byte with an independent oracle
+// written here from KVCANARY_SPEC.md §4-§9 (it shares no code with canary_core.h except the
+// constants). On top of the byte equality it checks the spec's per-launch invariants explicitly:
+//   Δkernel_run == 1; verify never changes the canary; Δslot_run == active (verify) or the number of
+//   non-skipped entries (write); verify rows <= 3 x active; the ring is fill-once (rows go to
+//   base + k only while inside the ring, nothing else moves); write_index saturates at 2^31 - 1;
+//   every INDEX_OUT_OF_RANGE row has fail bits exactly 64, a valid IndexKind and its bound.
+// A "cycle" op runs a small well-formed serving loop (plan -> verify -> write per step through the
+// real launchers) and requires zero violations, then injects a req_to_token swap and requires rows.
+//
+// usage: fuzz_driver [cases_per_op=10000] [seed=1] [op=all|verify|write|plan|scatter|cycle] [case]
+// Exit status 0 when nothing was found, 1 on any failure (each failure prints a rerun command).
+#include <cinttypes>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cpu_loops.h"
+
+using namespace kvcanary;
+
+namespace {
+
+// ---- bookkeeping ---------------------------------------------------------------------------------
+long g_failures = 0;
+const char* g_op = "";
+uint64_t g_seed = 0;
+int64_t g_case = 0;
+
+#define CHECK(cond, ...)                                                                                   \
+  do {                                                                                                     \
+    if (!(cond)) {                                                                                         \
+      ++g_failures;                                                                                        \
+      std::fprintf(stderr, "FAIL [%s case %" PRId64 "] %s:%d: %s: ", g_op, g_case, __FILE__, __LINE__,     \
+                   #cond);                                                                                 \
+      std::fprintf(stderr, __VA_ARGS__);                                                                   \
+      std::fprintf(stderr, "\n  rerun: fuzz_driver 1 %" PRIu64 " %s %" PRId64 "\n", g_seed, g_op, g_case); \
+      if (g_failures >= 20) {                                                                              \
+        std::fprintf(stderr, "too many failures; stopping\n");                                            \
+        std::exit(1);                                                                                      \
+      }                                                                                                    \
+    }                                                                                                      \
+  } while (0)
+
+struct Coverage {
+  uint64_t kinds_seen = 0;  // bit k: IndexKind code k appeared in an actual ring row
+  long rows = 0, oob_rows = 0, dropped = 0, saturated = 0, disabled = 0, zero_row_cases = 0, wrapped = 0;
+  long launches = 0;
+};
+Coverage g_cov[6];
+int g_opi = 0;
+
+// ---- rng and value pickers -----------------------------------------------------------------------
+struct Rng {
+  uint64_t s;
+  explicit Rng(uint64_t seed) : s(seed) {}
+  uint64_t next() {
+    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  int64_t range(int64_t lo, int64_t hi) {  // inclusive; small spans only
+    const uint64_t span = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo) + 1;
+    return static_cast<int64_t>(static_cast<uint64_t>(lo) + next() % span);
+  }
+  bool pct(int p) { return static_cast<int>(next() % 100) < p; }
+};
+
+constexpr int64_t I64MIN = INT64_MIN, I64MAX = INT64_MAX;
+const int64_t kHuge[] = {I64MIN, I64MAX, INT32_MIN, INT32_MAX, int64_t(INT32_MAX) + 1, int64_t(INT32_MIN) - 1,
+                         int64_t(1) << 40, -(int64_t(1) << 40), 0xFFFFFFFFll, I64MAX - 1, I64MIN + 1,
+                         int64_t(1) << 62, -(int64_t(1) << 62), int64_t(1) << 32};
+
+// A value that is usually in [lo, hi] (a small range), often at its edges, sometimes huge or random.
+int64_t pick(Rng& g, int64_t lo, int64_t hi) {
+  const int k = static_cast<int>(g.next() % 100);
+  if (k < 62) return g.range(lo, hi);
+  if (k < 80) {
+    const int64_t edge[] = {lo - 1, lo, hi, hi + 1, -1, 0, 1, -2};
+    return edge[g.next() % 8];
+  }
+  if (k < 92) return kHuge[g.next() % (sizeof(kHuge) / sizeof(kHuge[0]))];
+  if (k < 96) return static_cast<int64_t>(g.next());
+  return static_cast<int64_t>(static_cast<int32_t>(g.next()));
+}
+
+// ---- exact-size buffers --------------------------------------------------------------------------
+template <class T>
+struct Heap {  // exactly n elements on the heap (n may be 0): ASan sees every overrun
+  std::unique_ptr<T[]> p;
+  int64_t n = 0;
+  Heap() : p(new T[0]) {}
+  explicit Heap(int64_t n_) : p(new T[n_ > 0 ? n_ : 0]), n(n_ > 0 ? n_ : 0) {}
+  Heap(const Heap& o) : Heap(o.n) { if (n) std::memcpy(p.get(), o.p.get(), n * sizeof(T)); }
+  Heap& operator=(const Heap& o) {
+    Heap t(o);
+    std::swap(p, t.p);
+    std::swap(n, t.n);
+    return *this;
+  }
+  T* data() { return p.get(); }
+  const T* data() const { return p.get(); }
+  T& operator[](int64_t i) { return p[i]; }
+  const T& operator[](int64_t i) const { return p[i]; }
+  bool same(const Heap& o) const { return n == o.n && (n == 0 || std::memcmp(p.get(), o.p.get(), n * sizeof(T)) == 0); }
+};
+
+void fill_random(Rng& g, uint8_t* p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<uint8_t>(g.next());
+}
+
+struct Idx {  // an int32 or int64 index array, exact size; values narrowed when int32
+  bool is64 = false;
+  Heap<int32_t> a32;
+  Heap<int64_t> a64;
+  int64_t n = 0;
+  Idx() = default;
+  Idx(int64_t n_, bool w) : is64(w), a32(w ? 0 : n_), a64(w ? n_ : 0), n(n_ > 0 ? n_ : 0) {}
+  void set(int64_t i, int64_t v) {
+    if (is64) a64[i] = v;
+    else a32[i] = static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint64_t>(v)));
+  }
+  int64_t get(int64_t i) const { return is64 ? a64[i] : static_cast<int64_t>(a32[i]); }
+  IndexView view() const {
+    return IndexView{is64 ? static_cast<const void*>(a64.data()) : static_cast<const void*>(a32.data()), is64};
+  }
+};
+
+// ---- independent arithmetic (no canary_core.h functions) ----------------------------------------
+int64_t wadd(int64_t a, int64_t b) { return static_cast<int64_t>(static_cast<uint64_t>(a) + static_cast<uint64_t>(b)); }
+int64_t wsub(int64_t a, int64_t b) { return static_cast<int64_t>(static_cast<uint64_t>(a) - static_cast<uint64_t>(b)); }
+int64_t clampi(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
+int32_t low32(int64_t v) { return static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint64_t>(v))); }
+uint64_t sm64(uint64_t x) {
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+uint64_t m3(uint64_t a, uint64_t b, uint64_t c) { return sm64(sm64(sm64(a) ^ b) ^ c); }
+const uint64_t kAnchorHash = 0xDE7FAE23A9A1B716ull;
+int64_t rd64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];  // explicit little-endian
+  return static_cast<int64_t>(v);
+}
+void wr64(uint8_t* p, int64_t v) {
+  uint64_t u = static_cast<uint64_t>(v);
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(u >> (8 * i));
+}
+
+using OracleRow = std::vector<int64_t>;  // 8 columns
+OracleRow row8(int64_t a, int64_t b, int64_t c, int64_t d, int64_t e, int64_t f, int64_t g, int64_t h) {
+  return OracleRow{a, b, c, d, e, f, g, h};
+}
+
+// ---- canary --------------------------------------------------------------------------------------
+struct Canary {
+  int64_t S, stride;
+  Heap<uint8_t> bytes;
+  Canary(int64_t s, int64_t st) : S(s), stride(st), bytes(s * st) {}
+  CanaryView view() { return CanaryView{bytes.data(), S, stride}; }
+  int64_t f(int64_t s, int k) const { return rd64(bytes.data() + s * stride + 8 * k); }
+  void set(int64_t s, int64_t tok, int64_t pos, int64_t prev, int64_t rkv) {
+    uint8_t* p = bytes.data() + s * stride;
+    wr64(p, tok), wr64(p + 8, pos), wr64(p + 16, prev), wr64(p + 24, rkv);
+  }
+  uint64_t succ(int64_t s) const {  // s < S
+    if (s < 0) return kAnchorHash;
+    return m3(static_cast<uint64_t>(f(s, 2)), static_cast<uint64_t>(f(s, 0)), static_cast<uint64_t>(f(s, 1)));
+  }
+};
+
+Canary random_canary(Rng& g) {
+  const int64_t S = g.pct(10) ? 1 : g.range(1, 40);
+  const int64_t strides[] = {32, 32, 32, 40, 48, 64};
+  Canary c(S, strides[g.next() % 6]);
+  const int k = static_cast<int>(g.next() % 3);
+  if (k == 0) fill_random(g, c.bytes.data(), c.bytes.n);
+  else std::memset(c.bytes.data(), 0, c.bytes.n);
+  if (k == 2) fill_random(g, c.bytes.data(), c.bytes.n / 4);  // partly garbage
+  return c;
+}
+
+// ---- log -----------------------------------------------------------------------------------------
+struct Log {
+  int64_t cap, T;
+  Heap<uint8_t> ring, kc, sc;
+  Heap<int32_t> wi;
+  Log(int64_t c, int64_t t) : cap(c), T(t), ring(c * 64), kc(t * 8), sc(t * 8), wi(1) {}
+  LogView view() { return LogView{ring.data(), cap, wi.data(), kc.data(), sc.data()}; }
+};
+
+Log random_log(Rng& g) {
+  const int64_t caps[] = {1, 1, 2, 3, 4, 8, 64};
+  Log L(caps[g.next() % 7], g.range(1, NUM_LAUNCH_TAGS));
+  fill_random(g, L.ring.data(), L.ring.n);
+  if (g.pct(50)) {
+    std::memset(L.kc.data(), 0, L.kc.n);
+    std::memset(L.sc.data(), 0, L.sc.n);
+  } else {
+    fill_random(g, L.kc.data(), L.kc.n);  // wrap-around adds from any value
+    fill_random(g, L.sc.data(), L.sc.n);
+  }
+  const int k = static_cast<int>(g.next() % 10);
+  if (k < 4) L.wi[0] = 0;
+  else if (k < 6) L.wi[0] = static_cast<int32_t>(g.range(0, L.cap + 2));
+  else if (k < 8) L.wi[0] = static_cast<int32_t>(WRITE_INDEX_MAX - g.range(0, 3));  // near saturation
+  else L.wi[0] = static_cast<int32_t>(pick(g, -3, L.cap + 3));                     // negative / garbage
+  return L;
+}
+
+// Expected log after a launch: rows placed fill-once, saturating index, counter deltas at `tag`.
+void check_log(const Log& before, const Log& after, int64_t tag, int64_t dslot, const std::vector<OracleRow>& rows,
+               bool allow_rows, int64_t max_rows) {
+  Coverage& cov = g_cov[g_opi];
+  ++cov.launches;
+  // counters: only row `tag` moves, by exactly +1 / +dslot (wrap-around)
+  for (int64_t t = 0; t < before.T; ++t) {
+    const int64_t k0 = rd64(before.kc.data() + 8 * t), k1 = rd64(after.kc.data() + 8 * t);
+    const int64_t s0 = rd64(before.sc.data() + 8 * t), s1 = rd64(after.sc.data() + 8 * t);
+    CHECK(wsub(k1, k0) == (t == tag ? 1 : 0), "kernel_run[%" PRId64 "] moved by %" PRId64, t, wsub(k1, k0));
+    CHECK(wsub(s1, s0) == (t == tag ? dslot : 0), "slot_run[%" PRId64 "] moved by %" PRId64 ", want %" PRId64, t,
+          wsub(s1, s0), t == tag ? dslot : 0);
+  }
+  const int64_t n = static_cast<int64_t>(rows.size());
+  CHECK(allow_rows || n == 0, "oracle produced %" PRId64 " rows where none are allowed", n);
+  CHECK(n <= max_rows, "%" PRId64 " rows > bound %" PRId64, n, max_rows);
+  const int64_t base = before.wi[0];
+  const int64_t want_wi = n == 0 ? base : (base + n > WRITE_INDEX_MAX ? WRITE_INDEX_MAX : base + n);
+  CHECK(after.wi[0] == want_wi, "write_index %d, want %" PRId64 " (base %" PRId64 ", %" PRId64 " rows)", after.wi[0],
+        want_wi, base, n);
+  if (n == 0) ++cov.zero_row_cases;
+  if (n > 0 && base + n > WRITE_INDEX_MAX) ++cov.saturated;
+  for (int64_t r = 0; r < before.cap; ++r) {
+    const uint8_t* a = after.ring.data() + 64 * r;
+    const int64_t k = r - base;
+    if (k >= 0 && k < n) {  // a row of this launch
+      for (int c = 0; c < 8; ++c)
+        CHECK(rd64(a + 8 * c) == rows[k][c], "ring[%" PRId64 "][%d] = %" PRId64 ", want %" PRId64, r, c,
+              rd64(a + 8 * c), rows[k][c]);
+      const int64_t bits = rd64(a + 56);
+      CHECK(rd64(a) == tag, "row tag %" PRId64 " != %" PRId64, rd64(a), tag);
+      if (bits & 64) {
+        const int64_t code = rd64(a + 40);
+        CHECK(bits == 64, "OOB row with bits %" PRId64 " (must be exactly 64)", bits);
+        CHECK((code >= 1 && code <= 4) || (code >= 16 && code <= 19), "OOB row with IndexKind %" PRId64, code);
+        ++cov.oob_rows;
+        if (code >= 0 && code < 64) cov.kinds_seen |= uint64_t(1) << code;
+      }
+      ++cov.rows;
+    } else {
+      CHECK(std::memcmp(a, before.ring.data() + 64 * r, 64) == 0, "ring row %" PRId64 " changed outside [base, base+n)",
+            r);
+    }
+  }
+  if (n > 0 && (base < 0 || base + n > before.cap)) ++cov.dropped;
+}
+
+// ---- real-KV sources -----------------------------------------------------------------------------
+struct Src {
+  Heap<uint8_t> data;
+  int64_t rows, row_bytes, page_size, bpt, read_bytes;
+};
+
+struct Sources {
+  std::vector<Src> v;
+  int32_t mode = 0;
+  // What the launcher sees (built with the core's make_source_view, as the FFI glue does).
+  RealKvSources core() const {
+    RealKvSources out{};
+    out.mode = mode;
+    out.count = 0;
+    for (const Src& s : v)
+      out.src[out.count++] = make_source_view(s.data.data(), s.rows, s.row_bytes, s.page_size, s.bpt, s.read_bytes, mode);
+    if (out.count == 0 || out.mode == 0) out.count = 0, out.mode = 0;
+    return out;
+  }
+  // ---- independent model of §4.4 ----
+  bool active() const { return mode != 0 && !v.empty(); }
+  int64_t eff(const Src& s) const { return mode == 1 ? 16 : s.read_bytes; }
+  int64_t ps(const Src& s) const { return s.page_size >= 1 ? s.page_size : 1; }
+  bool sane(const Src& s) const {  // geometry the Python checks guarantee; anything else has no rows
+    const int64_t e = eff(s);
+    return s.page_size >= 1 && s.bpt > 0 && e > 0 && e % 16 == 0 && e <= s.bpt && s.row_bytes >= 0 &&
+           static_cast<__int128>(s.page_size) * s.bpt <= s.row_bytes;
+  }
+  int64_t rows(const Src& s) const { return sane(s) && s.rows > 0 ? s.rows : 0; }
+  int first_bad(int64_t slot) const {
+    for (size_t k = 0; k < v.size(); ++k)
+      if (slot / ps(v[k]) >= rows(v[k])) return static_cast<int>(k);
+    return -1;
+  }
+  uint64_t fold(int k, int64_t slot) const {  // consecutive LE words of the strip
+    const Src& s = v[k];
+    const uint8_t* p = s.data.data() + (slot / s.page_size) * s.row_bytes + (slot % s.page_size) * s.bpt;
+    uint64_t acc = 0;
+    for (int64_t off = 0; off < eff(s); off += 8) acc = sm64(acc ^ static_cast<uint64_t>(rd64(p + off)));
+    return acc;
+  }
+  uint64_t hash(int64_t slot) const {
+    uint64_t acc = 0;
+    for (size_t k = 0; k < v.size(); ++k) acc = sm64(acc ^ fold(static_cast<int>(k), slot));
+    return acc;
+  }
+  OracleRow oob(int64_t tag, int64_t slot, int64_t pos, int64_t tok, int k) const {
+    return row8(tag, slot, pos, tok, slot / ps(v[k]), 16 + k, rows(v[k]), 64);
+  }
+};
+
+Sources random_sources(Rng& g, int64_t S) {
+  Sources out;
+  const int k = static_cast<int>(g.next() % 10);
+  out.mode = k < 3 ? 0 : (k < 6 ? 1 : 2);
+  const int count = g.pct(15) ? 0 : static_cast<int>(g.range(1, MAX_REAL_KV_SOURCES));
+  for (int i = 0; i < count; ++i) {
+    Src s;
+    const int64_t pss[] = {1, 1, 2, 3, 4, 8};
+    s.page_size = pss[g.next() % 6];
+    s.bpt = 16 * g.range(1, 3);
+    s.read_bytes = 16 * g.range(1, s.bpt / 16);
+    s.row_bytes = s.page_size * s.bpt + 16 * g.range(0, 2);  // with a hole at the end sometimes
+    const int64_t need = (S + s.page_size - 1) / s.page_size;
+    s.rows = g.pct(60) ? need + g.range(0, 1) : g.range(0, need);  // often too few rows
+    if (g.pct(8)) {  // insane geometry (never produced by Python): must read nothing
+      switch (g.next() % 6) {
+        case 0: s.page_size = pick(g, -2, 0); break;
+        case 1: s.bpt = pick(g, -16, 8); break;
+        case 2: s.read_bytes = s.bpt + 16; break;
+        case 3: s.read_bytes = pick(g, -16, 15); break;
+        case 4: s.row_bytes = s.page_size * s.bpt - 16; break;
+        default: s.page_size = I64MAX / 2; break;  // page_size * bpt overflows int64
+      }
+      if (s.row_bytes < 0) s.row_bytes = 0;
+    }
+    s.data = Heap<uint8_t>(s.rows * s.row_bytes);
+    fill_random(g, s.data.data(), s.data.n);
+    if (g.pct(10)) std::memset(s.data.data(), 0, s.data.n);
+    out.v.push_back(std::move(s));
+  }
+  return out;
+}
+
+// ======================================== VERIFY ==================================================
+std::vector<OracleRow> oracle_verify(const Canary& c, const Idx& slots, const Idx& toks, const Idx& poss, const Idx& prevs,
+                                     bool check, const Sources& src, int64_t tag, int64_t active) {
+  std::vector<OracleRow> rows;
+  const int64_t S = c.S;
+  for (int64_t e = 0; e < active; ++e) {
+    const int64_t slot = slots.get(e), epos = poss.get(e), prev = prevs.get(e);
+    const int64_t etok = check ? toks.get(e) : -1;
+    if (slot == 0) continue;
+    if (slot < 0 || slot >= S) {
+      rows.push_back(row8(tag, slot, epos, -1, slot, 3, S, 64));
+      continue;
+    }
+    const int64_t st_tok = c.f(slot, 0), st_pos = c.f(slot, 1), st_chain = c.f(slot, 2), st_rkv = c.f(slot, 3);
+    bool chain_checked = prev != 0;
+    if (prev >= S) {
+      rows.push_back(row8(tag, slot, epos, -1, prev, 4, S, 64));
+      chain_checked = false;
+    }
+    const int64_t exp_chain = chain_checked ? static_cast<int64_t>(c.succ(prev)) : st_chain;
+    bool rkv_checked = true;
+    int64_t exp_rkv = 0;
+    if (src.active()) {
+      const int k = src.first_bad(slot);
+      if (k < 0) exp_rkv = static_cast<int64_t>(src.hash(slot));
+      else rows.push_back(src.oob(tag, slot, epos, -1, k)), rkv_checked = false;
+    }
+    int64_t bits = 0;
+    if (chain_checked && st_chain != exp_chain) bits |= 1;
+    if (check && etok != -1 && st_tok != etok) bits |= 32;
+    if (st_pos != epos) bits |= 2;
+    if (rkv_checked && st_rkv != exp_rkv) bits |= 4;
+    if (bits) rows.push_back(row8(tag, slot, st_pos, st_tok, etok, st_chain, exp_chain, bits));
+  }
+  return rows;
+}
+
+void fuzz_verify(Rng& g) {
+  Canary c = random_canary(g);
+  const int64_t S = c.S;
+  Log L = random_log(g);
+  const int64_t tag = g.range(0, L.T - 1);
+  const int64_t V = g.range(1, 24);
+  auto w = [&]() { return g.pct(50); };
+  Idx slots(V, w()), toks(V, w()), poss(V, w()), prevs(V, w());
+  Sources src = random_sources(g, S);
+  // A well-formed chain over a random permutation of slots, stamped into the canary, so that many
+  // entries pass; then malformed values and corruptions on top.
+  std::vector<int64_t> perm;
+  for (int64_t s = 1; s < S; ++s) perm.push_back(s);
+  for (size_t i = perm.size(); i > 1; --i) std::swap(perm[i - 1], perm[g.next() % i]);
+  uint64_t h = kAnchorHash;
+  const bool chain_mode = g.pct(60);
+  const int64_t pos0 = g.pct(70) ? 0 : pick(g, 0, 100);
+  for (int64_t e = 0; e < V; ++e) {
+    if (chain_mode && e < static_cast<int64_t>(perm.size())) {
+      const int64_t slot = perm[e], tok = g.range(-3, 50000), pos = wadd(pos0, e);
+      const bool rkv_ok = src.active() && src.first_bad(slot) < 0;
+      c.set(slot, tok, pos, static_cast<int64_t>(h), rkv_ok ? static_cast<int64_t>(src.hash(slot)) : 0);
+      slots.set(e, slot), toks.set(e, g.pct(80) ? tok : -1), poss.set(e, pos);
+      prevs.set(e, e == 0 ? (pos0 == 0 ? -1 : 0) : perm[e - 1]);
+      h = m3(h, static_cast<uint64_t>(tok), static_cast<uint64_t>(pos));
+    } else {
+      slots.set(e, pick(g, -2, S + 1)), toks.set(e, pick(g, -2, 50)), poss.set(e, pick(g, -1, 40));
+      prevs.set(e, pick(g, -2, S + 1));
+    }
+    if (g.pct(10)) slots.set(e, pick(g, -2, S + 1));
+    if (g.pct(10)) prevs.set(e, pick(g, -2, S + 1));
+    if (g.pct(5)) poss.set(e, pick(g, -1, 40));
+  }
+  if (g.pct(20) && S > 1) fill_random(g, c.bytes.data() + g.range(1, S - 1) * c.stride, 32);  // corrupt a record
+  const int32_t nv = static_cast<int32_t>(g.pct(70) ? g.range(0, V) : pick(g, -2, V + 2));
+  const int32_t en = static_cast<int32_t>(g.pct(85) ? 1 : pick(g, -1, 1));
+  const bool check = g.pct(50);
+
+  const Canary c0 = c;
+  const Log L0 = L;
+  VerifyArgs a{};
+  a.canary = c.view();
+  a.slots = slots.view(), a.tokens = toks.view(), a.positions = poss.view(), a.prevs = prevs.view();
+  a.check_token = check;
+  a.sources = src.core();
+  a.tag = tag;
+  verify_launch(a, V, nv, en, L.view());
+
+  CHECK(c.bytes.same(c0.bytes), "verify changed the canary");
+  if (en == 0) {
+    ++g_cov[g_opi].disabled;
+    check_log(L0, L, tag, 0, {}, false, 0);
+    return;
+  }
+  const int64_t active = clampi(nv, 0, V);
+  const auto rows = oracle_verify(c0, slots, toks, poss, prevs, check, src, tag, active);
+  check_log(L0, L, tag, active, rows, true, 3 * active);
+}
+
+// ======================================== WRITE ===================================================
+struct WriteCase {
+  int64_t C, N;
+  Idx offsets, seeds, ids, poss, locs, et, ep;
+  int32_t nvr;
+  bool input_assert, chain_assert;
+  int64_t tag;
+};
+
+// §7.3 on a copy of the canary; returns rows, sets dslot.
+std::vector<OracleRow> oracle_write(Canary& c, const WriteCase& w, const Sources& src, int64_t& dslot) {
+  std::vector<OracleRow> rows;
+  const int64_t S = c.S, tag = w.tag;
+  const int64_t active = clampi(w.nvr, 0, w.C);
+  std::vector<int64_t> o(active + 1);
+  o[0] = clampi(w.offsets.get(0), 0, w.N);
+  for (int64_t k = 1; k <= active; ++k) o[k] = clampi(w.offsets.get(k), o[k - 1], w.N);
+  dslot = 0;
+  for (int64_t r = 0; r < active; ++r) {
+    const int64_t lo = o[r], hi = o[r + 1];
+    if (hi == lo) continue;
+    int64_t seed = w.seeds.get(r);
+    if (seed >= S) {
+      rows.push_back(row8(tag, seed, -1, -1, seed, 2, S, 64));
+      seed = -1;
+    }
+    uint64_t running = c.succ(seed);
+    const bool do_pos = seed >= 0 && w.chain_assert;
+    int64_t last_pos = do_pos ? c.f(seed, 1) : 0;
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t slot = w.locs.get(i);
+      if (slot < 0) continue;
+      ++dslot;
+      const int64_t tok = w.ids.get(i), pos = w.poss.get(i);
+      const bool in_range = slot < S;
+      int64_t rkv = 0;
+      if (!in_range) {
+        rows.push_back(row8(tag, slot, pos, tok, slot, 1, S, 64));
+      } else if (src.active()) {
+        const int k = src.first_bad(slot);
+        if (k < 0) rkv = static_cast<int64_t>(src.hash(slot));
+        else rows.push_back(src.oob(tag, slot, pos, tok, k));
+      }
+      if (w.input_assert) {
+        const int64_t et = w.et.get(i), ep = w.ep.get(i);
+        const int64_t bits = (tok != et ? 8 : 0) | (pos != ep ? 16 : 0);
+        if (bits) rows.push_back(row8(tag, slot, pos, tok, et, static_cast<int64_t>(running), ep, bits));
+      }
+      if (do_pos) {
+        const int64_t exp = wadd(last_pos, 1);
+        if (pos != exp) rows.push_back(row8(tag, slot, pos, tok, tok, static_cast<int64_t>(running), exp, 16));
+        last_pos = pos;
+      }
+      if (in_range) c.set(slot, tok, pos, static_cast<int64_t>(running), rkv);
+      running = m3(running, static_cast<uint64_t>(tok), static_cast<uint64_t>(pos));
+    }
+  }
+  return rows;
+}
+
+void fuzz_write(Rng& g) {
+  Canary c = random_canary(g);
+  const int64_t S = c.S;
+  Log L = random_log(g);
+  WriteCase w;
+  w.tag = g.range(0, L.T - 1);
+  w.C = g.range(1, 6);
+  w.N = g.pct(10) ? 0 : g.range(0, 24);
+  auto wide = [&]() { return g.pct(50); };
+  w.offsets = Idx(w.C + 1, wide());
+  w.seeds = Idx(w.C, wide());
+  w.ids = Idx(w.N, wide()), w.poss = Idx(w.N, wide()), w.locs = Idx(w.N, wide());
+  w.input_assert = g.pct(40);
+  w.et = Idx(w.input_assert ? w.N : 0, wide()), w.ep = Idx(w.input_assert ? w.N : 0, wide());
+  w.chain_assert = g.pct(75);
+  // offsets: well-formed cumulative lengths, or malformed values
+  if (g.pct(60)) {
+    int64_t acc = 0;
+    for (int64_t r = 0; r <= w.C; ++r) {
+      w.offsets.set(r, acc);
+      acc += g.range(0, 5);
+    }
+    if (g.pct(30)) w.offsets.set(g.range(0, w.C), pick(g, -2, w.N + 2));
+  } else {
+    for (int64_t r = 0; r <= w.C; ++r) w.offsets.set(r, pick(g, -2, w.N + 3));
+  }
+  for (int64_t r = 0; r < w.C; ++r) w.seeds.set(r, pick(g, -2, S + 1));
+  const int64_t p0 = g.range(0, 8);
+  for (int64_t i = 0; i < w.N; ++i) {
+    w.ids.set(i, g.pct(85) ? g.range(-2, 1000) : pick(g, 0, 10));
+    w.poss.set(i, g.pct(70) ? p0 + i : pick(g, -1, 30));
+    w.locs.set(i, g.pct(70) ? g.range(0, S - 1) : pick(g, -2, S + 1));
+    if (w.input_assert) {
+      w.et.set(i, g.pct(85) ? w.ids.get(i) : pick(g, -1, 1000));
+      w.ep.set(i, g.pct(85) ? w.poss.get(i) : pick(g, -1, 30));
+    }
+  }
+  w.nvr = static_cast<int32_t>(g.pct(70) ? g.range(0, w.C) : pick(g, -2, w.C + 2));
+  Sources src = random_sources(g, S);
+
+  Canary expect = c;
+  const Log L0 = L;
+  WriteArgs a{};
+  a.canary = c.view();
+  a.seeds = w.seeds.view(), a.input_ids = w.ids.view(), a.positions = w.poss.view(), a.locs = w.locs.view();
+  a.exp_tokens = w.et.view(), a.exp_positions = w.ep.view();
+  a.input_assert = w.input_assert;
+  a.chain_assert = w.chain_assert;
+  a.sources = src.core();
+  a.tag = w.tag;
+  write_launch(a, w.offsets.view(), w.C, w.nvr, w.N, L.view());
+
+  int64_t dslot = 0;
+  const auto rows = oracle_write(expect, w, src, dslot);
+  for (int64_t s = 0; s < S; ++s)
+    CHECK(std::memcmp(c.bytes.data() + s * c.stride, expect.bytes.data() + s * c.stride, c.stride) == 0,
+          "canary slot %" PRId64 " differs: got tok=%" PRId64 " pos=%" PRId64 " prev=%" PRId64 " rkv=%" PRId64
+          ", want tok=%" PRId64 " pos=%" PRId64 " prev=%" PRId64 " rkv=%" PRId64,
+          s, c.f(s, 0), c.f(s, 1), c.f(s, 2), c.f(s, 3), expect.f(s, 0), expect.f(s, 1), expect.f(s, 2), expect.f(s, 3));
+  const int64_t active = clampi(w.nvr, 0, w.C);
+  check_log(L0, L, w.tag, dslot, rows, true, active + 3 * w.N);
+}
+
+// ======================================== PLAN ====================================================
+struct PlanCase {
+  int64_t bs, vcap, wcap, R, L, lut_len, Rp, Cp, window, token_offset;
+  bool has_lut, has_pool;
+  Idx rpi, P, E, r2t, lut, pool, vl;
+};
+
+struct PlanExpect {
+  std::vector<int32_t> slots, toks, poss, prevs, offsets, seeds;
+  int32_t num_valid, enable, nvr;
+  int64_t total;  // the int64 (wrap-around) sum of vlen
+};
+
+PlanExpect oracle_plan(const PlanCase& p) {  // §9.3, written out independently
+  auto rt = [&](int64_t rp, int64_t pos) -> int64_t {
+    return (rp >= 0 && rp < p.R && pos >= 0 && pos < p.L) ? p.r2t.get(rp * p.L + pos) : -1;
+  };
+  auto T = [&](int64_t x) -> int64_t {
+    if (!p.has_lut) return x;
+    return (x >= 0 && x < p.lut_len) ? p.lut.get(x) : -1;
+  };
+  auto pool_tok = [&](int64_t r, int64_t rp, int64_t s) -> int64_t {
+    if (p.has_pool && s >= 0 && s < p.vl.get(r) && s < p.Cp && rp >= 0 && rp < p.Rp) return p.pool.get(rp * p.Cp + s);
+    return -1;
+  };
+  PlanExpect x;
+  x.slots.assign(p.vcap, 0), x.toks.assign(p.vcap, 0), x.poss.assign(p.vcap, 0), x.prevs.assign(p.vcap, 0);
+  x.offsets.assign(p.wcap + 1, 0), x.seeds.assign(p.wcap, 0);
+  std::vector<int64_t> ws(p.bs), vlen(p.bs), wlen(p.bs);
+  int64_t total = 0, off = 0;
+  for (int64_t r = 0; r < p.bs; ++r) {
+    const int64_t rp = p.rpi.get(r), P = p.P.get(r), E = p.E.get(r);
+    const bool live = rp != 0;
+    ws[r] = p.window > 0 ? (wsub(P, p.window) > 0 ? wsub(P, p.window) : 0) : 0;
+    vlen[r] = live ? (wsub(P, ws[r]) > 0 ? wsub(P, ws[r]) : 0) : 0;
+    wlen[r] = live && E > 0 ? E : 0;
+    total = wadd(total, vlen[r]);
+    off = wadd(off, wlen[r]);
+    x.offsets[r + 1] = low32(off);
+    x.seeds[r] = low32((live && P > 0 && wlen[r] > 0) ? T(rt(rp, P - 1)) : -1);
+  }
+  x.total = total;
+  x.num_valid = low32(total < p.vcap ? total : p.vcap);
+  x.enable = total <= p.vcap ? 1 : 0;
+  x.nvr = low32(p.bs);
+  if (x.enable) {
+    int64_t flat = 0;
+    for (int64_t r = 0; r < p.bs && flat < total; ++r)
+      for (int64_t j = 0; j < vlen[r] && flat < total; ++j, ++flat) {
+        const int64_t rp = p.rpi.get(r), pos = wadd(ws[r], j);
+        x.slots[flat] = low32(T(rt(rp, pos)));
+        x.prevs[flat] = low32(pos > 0 ? T(rt(rp, pos - 1)) : -1);
+        x.toks[flat] = low32(pool_tok(r, rp, wadd(pos, p.token_offset)));
+        x.poss[flat] = low32(pos);
+      }
+  }
+  return x;
+}
+
+void fuzz_plan(Rng& g) {
+  PlanCase p;
+  auto wide = [&]() { return g.pct(50); };
+  p.bs = g.pct(5) ? 0 : g.range(0, 6);
+  p.wcap = p.bs + g.range(p.bs == 0 ? 1 : 0, 3);
+  p.vcap = g.pct(10) ? 1 : g.range(1, 40);
+  p.R = g.pct(5) ? 0 : g.range(1, 5);
+  p.L = g.pct(5) ? 0 : g.range(1, 12);
+  const int64_t S = g.range(1, 40);  // the slot space the table points into
+  const int k = static_cast<int>(g.next() % 10);
+  p.window = k < 5 ? 0 : (k < 9 ? g.range(1, 6) : pick(g, 1, 6));
+  if (p.window < 0) p.window = wsub(0, p.window) < 0 ? I64MAX : wsub(0, p.window);  // Python: >= 0
+  p.has_lut = p.window > 0 || g.pct(15);
+  p.lut_len = p.has_lut ? g.range(1, S + 3) : 0;
+  p.has_pool = g.pct(40);
+  p.Rp = p.has_pool ? g.range(0, 5) : 0;
+  p.Cp = p.has_pool ? g.range(0, 12) : 0;
+  const int64_t offs[] = {0, 0, 0, 1, 1, -1, 2, INT32_MIN, INT32_MAX};
+  p.token_offset = g.pct(90) ? offs[g.next() % 9] : static_cast<int32_t>(g.next());
+  p.rpi = Idx(p.bs, wide()), p.P = Idx(p.bs, wide()), p.E = Idx(p.bs, wide());
+  p.r2t = Idx(p.R * p.L, wide());
+  p.lut = Idx(p.lut_len, wide());
+  p.pool = Idx(p.Rp * p.Cp, wide());
+  p.vl = Idx(p.has_pool ? p.bs : 0, wide());
+  for (int64_t r = 0; r < p.bs; ++r) {
+    p.rpi.set(r, g.pct(75) ? g.range(0, p.R - 1 < 0 ? 0 : p.R - 1) : pick(g, -1, p.R));
+    p.P.set(r, g.pct(70) ? g.range(0, p.L) : pick(g, -1, p.L + 2));
+    p.E.set(r, g.pct(70) ? g.range(0, 4) : pick(g, -1, 5));
+    if (p.has_pool) p.vl.set(r, g.pct(60) ? g.range(0, p.Cp) : pick(g, -1, p.Cp + 2));
+  }
+  for (int64_t i = 0; i < p.r2t.n; ++i) p.r2t.set(i, g.pct(80) ? g.range(0, S - 1) : pick(g, -1, S));
+  for (int64_t i = 0; i < p.lut.n; ++i) p.lut.set(i, g.pct(80) ? g.range(0, S - 1) : pick(g, -1, S));
+  for (int64_t i = 0; i < p.pool.n; ++i) p.pool.set(i, g.pct(85) ? g.range(-1, 1000) : pick(g, -1, 5));
+
+  PlanArgs a{};
+  a.req_pool_indices = p.rpi.view(), a.prefix_lens = p.P.view(), a.extend_seq_lens = p.E.view();
+  a.req_to_token = p.r2t.view(), a.R = p.R, a.L = p.L;
+  a.has_lut = p.has_lut, a.lut = p.lut.view(), a.lut_len = p.lut_len;
+  a.has_pool = p.has_pool, a.pool = p.pool.view(), a.Rp = p.Rp, a.Cp = p.Cp, a.valid_lens = p.vl.view();
+  a.window = p.window, a.token_offset = p.token_offset;
+  Heap<int32_t> slots(p.vcap), toks(p.vcap), poss(p.vcap), prevs(p.vcap), nv(1), en(1), offsets(p.wcap + 1),
+      seeds(p.wcap), nvr(1);
+  for (Heap<int32_t>* h : {&slots, &toks, &poss, &prevs, &nv, &en, &offsets, &seeds, &nvr})
+    std::memset(h->data(), 0xA5, h->n * sizeof(int32_t));  // stale garbage: every element must be written
+  const PlanOut out{slots.data(), toks.data(), poss.data(), prevs.data(), nv.data(), en.data(),
+                    offsets.data(), seeds.data(), nvr.data()};
+  plan_launch(a, p.bs, p.vcap, p.wcap, out);
+
+  const PlanExpect x = oracle_plan(p);
+  if (std::getenv("KVC_FUZZ_DUMP")) {  // the case's inputs, for turning a failure into a regression test
+    std::printf("plan bs=%" PRId64 " vcap=%" PRId64 " wcap=%" PRId64 " R=%" PRId64 " L=%" PRId64 " window=%" PRId64
+                " lut=%d pool=%d\n", p.bs, p.vcap, p.wcap, p.R, p.L, p.window, p.has_lut, p.has_pool);
+    for (int64_t r = 0; r < p.bs; ++r)
+      std::printf("  row %" PRId64 ": rp=%" PRId64 " P=%" PRId64 " E=%" PRId64 "\n", r, p.rpi.get(r), p.P.get(r), p.E.get(r));
+  }
+  ++g_cov[g_opi].launches;
+  if (!x.enable) ++g_cov[g_opi].disabled;
+  if (x.total < 0) ++g_cov[g_opi].wrapped;
+  CHECK(nv[0] == x.num_valid, "num_valid %d, want %d", nv[0], x.num_valid);
+  CHECK(en[0] == x.enable, "enable %d, want %d", en[0], x.enable);
+  CHECK(nvr[0] == x.nvr, "num_valid_reqs %d, want %d", nvr[0], x.nvr);
+  for (int64_t e = 0; e < p.vcap; ++e) {
+    CHECK(slots[e] == x.slots[e], "slot_indices[%" PRId64 "] %d, want %d", e, slots[e], x.slots[e]);
+    CHECK(toks[e] == x.toks[e], "expected_tokens[%" PRId64 "] %d, want %d", e, toks[e], x.toks[e]);
+    CHECK(poss[e] == x.poss[e], "expected_positions[%" PRId64 "] %d, want %d", e, poss[e], x.poss[e]);
+    CHECK(prevs[e] == x.prevs[e], "prev_slot_indices[%" PRId64 "] %d, want %d", e, prevs[e], x.prevs[e]);
+  }
+  for (int64_t r = 0; r <= p.wcap; ++r)
+    CHECK(offsets[r] == x.offsets[r], "offsets[%" PRId64 "] %d, want %d", r, offsets[r], x.offsets[r]);
+  for (int64_t r = 0; r < p.wcap; ++r)
+    CHECK(seeds[r] == x.seeds[r], "seed_slot_indices[%" PRId64 "] %d, want %d", r, seeds[r], x.seeds[r]);
+}
+
+// ======================================== SCATTER =================================================
+template <class T>
+void scatter_case(Rng& g, int64_t Rp, int64_t Cp) {
+  const int64_t bs = g.range(0, 6), total = g.pct(10) ? 0 : g.range(0, 20);
+  auto wide = [&]() { return g.pct(50); };
+  Idx flat(total, wide()), offsets(bs + 1, wide()), rpi(bs, wide());
+  for (int64_t i = 0; i < total; ++i) flat.set(i, pick(g, -1, 100000));
+  if (g.pct(50)) {
+    int64_t acc = g.pct(80) ? 0 : g.range(0, 3);
+    for (int64_t r = 0; r <= bs; ++r) offsets.set(r, acc), acc += g.range(0, 6);
+    if (g.pct(30)) offsets.set(g.range(0, bs), pick(g, -3, total + 3));
+  } else {
+    for (int64_t r = 0; r <= bs; ++r) offsets.set(r, pick(g, -3, total + 3));
+  }
+  for (int64_t r = 0; r < bs; ++r) rpi.set(r, g.pct(75) ? g.range(0, Rp) : pick(g, -1, Rp));
+  Heap<T> pool(Rp * Cp);
+  for (int64_t i = 0; i < pool.n; ++i) pool[i] = static_cast<T>(g.next());
+  Heap<T> expect = pool;
+  for (int64_t r = 0; r < bs; ++r) {  // §9.5
+    const int64_t start = offsets.get(r), end = offsets.get(r + 1), rp = rpi.get(r);
+    const int64_t n0 = wsub(end, start), n = n0 < Cp ? n0 : Cp;
+    if (n <= 0 || rp < 0 || rp >= Rp) continue;
+    for (int64_t c = 0; c < n; ++c) {
+      const __int128 src = static_cast<__int128>(start) + c;  // no wrap: out of [0, total) either way
+      if (src >= 0 && src < total) expect[rp * Cp + c] = static_cast<T>(flat.get(static_cast<int64_t>(src)));
+    }
+  }
+  scatter_launch(pool.data(), Rp, Cp, flat.view(), total, offsets.view(), rpi.view(), bs);
+  ++g_cov[g_opi].launches;
+  for (int64_t i = 0; i < pool.n; ++i)
+    CHECK(pool[i] == expect[i], "pool[%" PRId64 "] = %" PRId64 ", want %" PRId64, i, static_cast<int64_t>(pool[i]),
+          static_cast<int64_t>(expect[i]));
+}
+
+void fuzz_scatter(Rng& g) {
+  const int64_t Rp = g.pct(5) ? 0 : g.range(1, 5), Cp = g.pct(5) ? 0 : g.range(1, 10);
+  if (g.pct(50)) scatter_case<int32_t>(g, Rp, Cp);
+  else scatter_case<int64_t>(g, Rp, Cp);
+}
+
+// ======================================== CYCLE ===================================================
+// A tiny well-formed serving loop through all launchers: requests extend by 1..3 tokens per step into
+// fresh slots; plan -> verify (previous records) -> write (new records) with real-KV sources; a clean
+// run must record nothing. Then one req_to_token swap must be reported by the next verify.
+void fuzz_cycle(Rng& g) {
+  const int64_t R = 4, Lmax = 16, S = 1 + (R - 1) * Lmax + 1;
+  const int64_t bs = R - 1, vcap = (R - 1) * Lmax, wcap = bs + g.range(0, 2);
+  Canary c(S, 32);
+  std::memset(c.bytes.data(), 0, c.bytes.n);
+  Log L(g.pct(30) ? 1 : 16, NUM_LAUNCH_TAGS);
+  std::memset(L.ring.data(), 0, L.ring.n), std::memset(L.kc.data(), 0, L.kc.n), std::memset(L.sc.data(), 0, L.sc.n);
+  L.wi[0] = 0;
+  Sources src;
+  src.mode = static_cast<int32_t>(g.range(0, 2));
+  Src kv;
+  kv.page_size = g.pct(50) ? 1 : 2, kv.bpt = 32, kv.read_bytes = 32, kv.row_bytes = kv.page_size * 32;
+  kv.rows = (S + kv.page_size - 1) / kv.page_size;
+  kv.data = Heap<uint8_t>(kv.rows * kv.row_bytes);
+  fill_random(g, kv.data.data(), kv.data.n);
+  src.v.push_back(std::move(kv));
+  Idx r2t(R * Lmax, g.pct(50));
+  std::vector<int64_t> free_slots;
+  for (int64_t s = S - 1; s >= 1; --s) free_slots.push_back(s);
+  for (size_t i = free_slots.size(); i > 1; --i) std::swap(free_slots[i - 1], free_slots[g.next() % i]);
+  for (int64_t i = 0; i < r2t.n; ++i) r2t.set(i, 0);
+  std::vector<int64_t> len(R, 0);
+  const int64_t tag = g.range(0, NUM_LAUNCH_TAGS - 1);
+  int64_t verify_slots = 0, write_slots = 0, steps = 0;
+  const bool inject = g.pct(50);
+  bool injected = false;
+  for (int step = 0; step < 8; ++step) {
+    Idx rpi(bs, true), P(bs, true), E(bs, true);
+    std::vector<int64_t> ids, poss, locs;
+    for (int64_t r = 0; r < bs; ++r) {
+      const int64_t rp = r + 1, e = (len[rp] + 3 <= Lmax) ? g.range(1, 3) : 0;
+      rpi.set(r, rp), P.set(r, len[rp]), E.set(r, e);
+      for (int64_t j = 0; j < e; ++j) {
+        const int64_t slot = free_slots.back();
+        free_slots.pop_back();
+        r2t.set(rp * Lmax + len[rp] + j, slot);
+        ids.push_back(g.range(0, 30000)), poss.push_back(len[rp] + j), locs.push_back(slot);
+      }
+    }
+    if (inject && step == 6 && len[1] >= 2) {  // a wrong-slot bug: swap two prefix entries of request 1
+      const int64_t a0 = r2t.get(1 * Lmax + 0), a1 = r2t.get(1 * Lmax + 1);
+      r2t.set(1 * Lmax + 0, a1), r2t.set(1 * Lmax + 1, a0);
+      injected = true;
+    }
+    PlanArgs pa{};
+    Idx nolut(0, false), nopool(0, false), novl(0, false);
+    pa.req_pool_indices = rpi.view(), pa.prefix_lens = P.view(), pa.extend_seq_lens = E.view();
+    pa.req_to_token = r2t.view(), pa.R = R, pa.L = Lmax, pa.lut = nolut.view(), pa.pool = nopool.view();
+    pa.valid_lens = novl.view();
+    Heap<int32_t> vs(vcap), vt(vcap), vp(vcap), vq(vcap), vn(1), ve(1), wo(wcap + 1), wsd(wcap), wn(1);
+    plan_launch(pa, bs, vcap, wcap, PlanOut{vs.data(), vt.data(), vp.data(), vq.data(), vn.data(), ve.data(),
+                                            wo.data(), wsd.data(), wn.data()});
+    CHECK(ve[0] == 1, "plan overflowed in the cycle");
+    Idx v_slots(vcap, false), v_toks(vcap, false), v_pos(vcap, false), v_prev(vcap, false);
+    for (int64_t e = 0; e < vcap; ++e) v_slots.set(e, vs[e]), v_toks.set(e, vt[e]), v_pos.set(e, vp[e]), v_prev.set(e, vq[e]);
+    const int32_t before = L.wi[0];
+    VerifyArgs va{};
+    va.canary = c.view(), va.slots = v_slots.view(), va.tokens = v_toks.view(), va.positions = v_pos.view();
+    va.prevs = v_prev.view(), va.sources = src.core(), va.tag = tag;
+    verify_launch(va, vcap, vn[0], ve[0], L.view());
+    verify_slots += vn[0];
+    if (!injected) CHECK(L.wi[0] == before, "clean verify recorded %d rows at step %d", L.wi[0] - before, step);
+    else CHECK(L.wi[0] > before, "the req_to_token swap was not reported at step %d", step);
+    const int64_t N = static_cast<int64_t>(ids.size());
+    Idx wi(N, false), wp(N, false), wl(N, false), woff(wcap + 1, false), wseed(wcap, false), empty(0, false);
+    for (int64_t i = 0; i < N; ++i) wi.set(i, ids[i]), wp.set(i, poss[i]), wl.set(i, locs[i]);
+    for (int64_t r = 0; r <= wcap; ++r) woff.set(r, wo[r]);
+    for (int64_t r = 0; r < wcap; ++r) wseed.set(r, wsd[r]);
+    const int32_t before_w = L.wi[0];
+    WriteArgs wa{};
+    wa.canary = c.view(), wa.seeds = wseed.view(), wa.input_ids = wi.view(), wa.positions = wp.view();
+    wa.locs = wl.view(), wa.exp_tokens = empty.view(), wa.exp_positions = empty.view();
+    wa.chain_assert = !injected, wa.sources = src.core(), wa.tag = tag;
+    write_launch(wa, woff.view(), wcap, wn[0], N, L.view());
+    write_slots += N;
+    if (!injected) CHECK(L.wi[0] == before_w, "clean write recorded %d rows at step %d", L.wi[0] - before_w, step);
+    for (int64_t r = 0; r < bs; ++r) len[r + 1] += E.get(r);
+    ++steps;
+    if (injected) break;
+  }
+  CHECK(rd64(L.kc.data() + 8 * tag) == 2 * steps, "kernel_run %" PRId64 ", want %" PRId64, rd64(L.kc.data() + 8 * tag),
+        2 * steps);
+  CHECK(rd64(L.sc.data() + 8 * tag) == verify_slots + write_slots, "slot_run %" PRId64 ", want %" PRId64,
+        rd64(L.sc.data() + 8 * tag), verify_slots + write_slots);
+  ++g_cov[g_opi].launches;
+}
+
+struct Op {
+  const char* name;
+  void (*fn)(Rng&);
+};
+const Op kOps[] = {{"verify", fuzz_verify}, {"write", fuzz_write}, {"plan", fuzz_plan},
+                   {"scatter", fuzz_scatter}, {"cycle", fuzz_cycle}};
+
+uint64_t case_seed(uint64_t seed, int op, int64_t i) {
+  return sm64(sm64(seed ^ (0x1234567ull * (op + 1))) ^ static_cast<uint64_t>(i));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int64_t cases = argc > 1 ? std::strtoll(argv[1], nullptr, 10) : 10000;
+  g_seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 1;
+  const std::string only = argc > 3 ? argv[3] : "all";
+  const int64_t single = argc > 4 ? std::strtoll(argv[4], nullptr, 10) : -1;
+  if (sm64(CANARY_CHAIN_ANCHOR) != kAnchorHash || CANARY_ANCHOR_HASH != kAnchorHash) {
+    std::fprintf(stderr, "FAIL: splitmix64 pin\n");
+    return 1;
+  }
+  bool ran = false;
+  for (int op = 0; op < static_cast<int>(sizeof(kOps) / sizeof(kOps[0])); ++op) {
+    if (only != "all" && only != kOps[op].name) continue;
+    ran = true;
+    g_op = kOps[op].name;
+    g_opi = op;
+    const int64_t n = std::string(g_op) == "cycle" ? (cases + 9) / 10 : cases;
+    for (int64_t i = single >= 0 ? single : 0; i < (single >= 0 ? single + 1 : n); ++i) {
+      g_case = i;
+      Rng g(case_seed(g_seed, op, i));
+      kOps[op].fn(g);
+    }
+    const Coverage& cv = g_cov[op];
+    std::printf("%-8s cases=%-7" PRId64 " launches=%-7ld rows=%-8ld oob_rows=%-7ld zero_row=%-6ld dropped=%-6ld "
+                "saturated=%-6ld disabled=%-6ld wrapped=%-5ld kinds=0x%" PRIx64 "\n",
+                g_op, single >= 0 ? 1 : n, cv.launches, cv.rows, cv.oob_rows, cv.zero_row_cases, cv.dropped,
+                cv.saturated, cv.disabled, cv.wrapped, cv.kinds_seen);
+  }
+  if (!ran) {
+    std::fprintf(stderr, "unknown op '%s'\n", only.c_str());
+    return 2;
+  }
+  // Coverage guard: a generator that stopped reaching the malformed paths would pass vacuously.
+  if (only == "all" && single < 0 && cases >= 2000) {
+    g_op = "coverage";
+    g_case = -1;
+    const uint64_t want = (1u << 1) | (1u << 2) | (1u << 3) | (1u << 4) | (1u << 16) | (1u << 17) | (1u << 18) | (1u << 19);
+    const uint64_t seen = g_cov[0].kinds_seen | g_cov[1].kinds_seen;
+    CHECK((seen & want) == want, "IndexKinds never produced: 0x%" PRIx64, want & ~seen);
+    for (int op = 0; op < 2; ++op) {
+      CHECK(g_cov[op].dropped > 0 && g_cov[op].saturated > 0 && g_cov[op].zero_row_cases > 0,
+            "%s never dropped/saturated/clean", kOps[op].name);
+    }
+    CHECK(g_cov[0].disabled > 0 && g_cov[2].disabled > 0 && g_cov[2].wrapped > 0, "plan/verify edge paths unreached");
+  }
+  if (g_failures) {
+    std::fprintf(stderr, "fuzz_driver: %ld failure(s)\n", g_failures);
+    return 1;
+  }
+  std::printf("fuzz_driver: OK (seed %" PRIu64 ")\n", g_seed);
+  return 0;
+}
