@@ -1,0 +1,304 @@
+"""Per-call overhead of the custom calls inside jit, and the canary's overhead in a serving step.
+
+1. ``dispatch``: one jitted function chains N calls of an op on a tiny input (each call depends on the
+   previous one through the donated log); the slope of time over N is the cost of one call inside a
+   compiled step, the intercept the jit dispatch. For comparison, the same slope for a chain of tiny
+   XLA ops kept apart by ``optimization_barrier`` (the cost of one XLA thunk).
+2. ``step``: a toy paged-KV decoder step (per layer: q/k/v projections, K/V stores at
+   ``out_cache_loc``, attention over the request's prefix gathered through ``req_to_token``, an output
+   projection; then the logits matmul), jitted with the KV caches and the canary state donated. The
+   canary-on step wraps it with the runtime endpoints (``jax_kvcanary.runtime.CanaryEndpoints``:
+   plan -> HEAD verify+write for K and V before, TAIL verify+write with real-KV PARTIAL fingerprints of
+   layer-0 K/V after); if the runtime is not usable, a minimal equivalent built from the public ops.
+   Off and on run in interleaved rounds; the ratio is on/off per round. The canary is populated by a
+   prefill pass first, so the timed decode steps take the clean path (checked: no rows).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Dict, List
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jax_kvcanary as kvc
+from jax_kvcanary import LaunchTag, RealKvHashMode
+
+from .harness import Contender, fit_line, measure, ratio
+from .scenarios import PAGE_SIZE, SLACK
+
+# ---- 1. per-call overhead -----------------------------------------------------------------------
+
+
+def _tiny():
+    canary = kvc.new_canary_buffer(64)
+    one = lambda v: jnp.full((1,), v, jnp.int32)  # noqa: E731
+    vp = kvc.VerifyPlan(one(5), one(-1), one(0), one(-1), one(1), one(1))
+    wp = kvc.WritePlan(jnp.array([0, 1], jnp.int32), one(-1), one(1))
+    r2t = jnp.arange(2 * 8, dtype=jnp.int32).reshape(2, 8)
+    return canary, vp, wp, r2t
+
+
+def _chain_fn(op, impl, n):
+    if op == "verify":
+        def f(canary, log, vp):
+            for _ in range(n):
+                log = kvc.verify(canary, log, vp, tag=0, impl=impl)
+            return log
+        return jax.jit(f, donate_argnums=(1,))
+    if op == "write":
+        def f(canary, log, wp, x):
+            for _ in range(n):
+                canary, log = kvc.write(canary, log, wp, x, x, x + 5, tag=0, impl=impl)
+            return canary, log
+        return jax.jit(f, donate_argnums=(0, 1))
+    if op == "plan":
+        def f(rpi, p, r2t):
+            acc = p
+            for _ in range(n):  # each plan's prefix length depends on the previous plan
+                vp, wp = kvc.plan(rpi, acc, p, r2t, verify_capacity=4, write_req_capacity=1, impl=impl)
+                acc = jnp.minimum(vp.num_valid, 2)
+            return acc
+        return jax.jit(f)
+    if op == "xla_op":
+        def f(x):
+            for _ in range(n):
+                x = lax.optimization_barrier(x + 1)
+            return x
+        return jax.jit(f, donate_argnums=(0,))
+    raise ValueError(op)
+
+
+def dispatch(impls: List[str], chain_lengths: List[int], *, rounds: int, target_s: float) -> dict:
+    canary, vp, wp, r2t = _tiny()
+    ops = [(op, impl) for impl in impls for op in ("verify", "write", "plan")] + [("xla_op", "-")]
+    out = {"chain_lengths": chain_lengths, "ops": {}}
+    for op, impl in ops:
+        contenders = []
+        for n in chain_lengths:
+            f = _chain_fn(op, impl if impl != "-" else None, n)
+            if op == "verify":
+                st = {"log": kvc.ViolationLog.create(8)}
+
+                def run(f=f, st=st):
+                    st["log"] = f(canary, st["log"], vp)
+                    return st["log"]
+            elif op == "write":
+                st = {"c": jnp.array(canary, copy=True), "log": kvc.ViolationLog.create(8)}
+                x = jnp.ones((1,), jnp.int32)
+
+                def run(f=f, st=st, x=x):
+                    st["c"], st["log"] = f(st["c"], st["log"], wp, x)
+                    return st["log"]
+            elif op == "plan":
+                args = (jnp.ones((1,), jnp.int32), jnp.ones((1,), jnp.int32), r2t)
+
+                def run(f=f, args=args):
+                    return f(*args)
+            else:
+                st = {"x": jnp.zeros((1,), jnp.int32)}
+
+                def run(f=f, st=st):
+                    st["x"] = f(st["x"])
+                    return st["x"]
+            contenders.append(Contender(f"n{n}", run))
+        res = measure(contenders, rounds=rounds, target_s=target_s)
+        med = [res[f"n{n}"].median for n in chain_lengths]
+        slope, icpt = fit_line(chain_lengths, med)
+        key = op if op == "xla_op" else f"{op}[{impl}]"
+        out["ops"][key] = {"per_call_us": slope * 1e6, "intercept_us": icpt * 1e6,
+                           "median_us": {str(n): m * 1e6 for n, m in zip(chain_lengths, med)}}
+    return out
+
+
+# ---- 2. serving step -----------------------------------------------------------------------------
+
+MODEL = {"layers": 4, "d_model": 256, "vocab": 4096, "dtype": "float32"}
+
+
+class _MinimalCanary:
+    """The runtime endpoints' default FULL-group behaviour from the public ops (fallback only)."""
+
+    def __init__(self, num_slots, bs, vcap):
+        self.num_slots, self.bs, self.vcap = num_slots, bs, vcap
+
+    def init_state(self):
+        return {"c": {t: kvc.new_canary_buffer(self.num_slots) for t in ("HK", "HV", "TK", "TV")},
+                "log": kvc.ViolationLog.create()}
+
+    def head(self, state, b):
+        vp, wp = kvc.plan(b["rpi"], b["prefix"], b["extend"], b["r2t"], verify_capacity=self.vcap,
+                          write_req_capacity=self.bs)
+        c, log = dict(state["c"]), state["log"]
+        for key, tag in (("HK", LaunchTag.HEAD_K_FULL), ("HV", LaunchTag.HEAD_V_FULL)):
+            log = kvc.verify(c[key], log, vp, tag=tag)
+            c[key], log = kvc.write(c[key], log, wp, b["ids"], b["pos"], b["loc"], tag=tag)
+        return {"c": c, "log": log}, (vp, wp)
+
+    def tail(self, state, ctx, b, srcs):
+        vp, wp = ctx
+        c, log = dict(state["c"]), state["log"]
+        for key, tag, src in (("TK", LaunchTag.TAIL_K_FULL, srcs[0]), ("TV", LaunchTag.TAIL_V_FULL, srcs[1])):
+            kw = dict(real_kv_sources=(src,), real_kv_hash_mode=RealKvHashMode.PARTIAL)
+            log = kvc.verify(c[key], log, vp, tag=tag, **kw)
+            c[key], log = kvc.write(c[key], log, wp, b["ids"], b["pos"], b["loc"], tag=tag, **kw)
+        return {"c": c, "log": log}
+
+    @staticmethod
+    def total(state):
+        return state["log"].total()
+
+
+class _RuntimeCanary:
+    def __init__(self, num_slots, bs, vcap):
+        from jax_kvcanary.runtime import CanaryConfig, CanaryEndpoints
+        self.ep = CanaryEndpoints(CanaryConfig(mode="log", real_kv_hash_mode="PARTIAL"), num_slots=num_slots,
+                                  write_req_capacity=bs, verify_capacity=vcap)
+
+    def init_state(self):
+        return self.ep.init_state()
+
+    def _batch(self, b):
+        from jax_kvcanary.runtime import CanaryBatch
+        return CanaryBatch(b["rpi"], b["prefix"], b["extend"], b["r2t"], b["ids"], b["pos"], b["loc"])
+
+    def head(self, state, b):
+        return self.ep.head(state, self._batch(b))
+
+    def tail(self, state, ctx, b, srcs):
+        return self.ep.tail(state, ctx, real_kv={"FULL": {"K": srcs[0], "V": srcs[1]}})
+
+    @staticmethod
+    def total(state):
+        return state.log.total()
+
+
+def _model_params(rng, model):
+    d, L, v = model["d_model"], model["layers"], model["vocab"]
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32) / np.sqrt(s[-2] if len(s) > 1 else 1))  # noqa: E731
+    return {"embed": mk(v, d), "wq": mk(L, d, d), "wk": mk(L, d, d), "wv": mk(L, d, d), "wo": mk(L, d, d)}
+
+
+def _forward(params, kc, vc, b, *, attend: bool, total_len: int):
+    """Returns (kc, vc, next_tokens). kc/vc: tuples of per-layer [S, d] caches."""
+    x = params["embed"][b["ids"]]
+    kc, vc = list(kc), list(vc)
+    d = x.shape[-1]
+    for l in range(len(kc)):
+        q, k, v = x @ params["wq"][l], x @ params["wk"][l], x @ params["wv"][l]
+        kc[l] = kc[l].at[b["loc"]].set(k)
+        vc[l] = vc[l].at[b["loc"]].set(v)
+        if attend:  # decode: one query per request, attention over positions [0, P] (prefix + itself)
+            idx = b["r2t"][b["rpi"], :total_len]
+            K, V = kc[l][idx], vc[l][idx]                       # [bs, T, d]
+            s = jnp.einsum("bd,btd->bt", q, K) / np.sqrt(d)
+            o = jnp.einsum("bt,btd->bd", jax.nn.softmax(s, axis=-1), V)
+            x = x + o @ params["wo"][l]
+    return tuple(kc), tuple(vc), jnp.argmax(x @ params["embed"].T, axis=-1).astype(jnp.int32)
+
+
+def _sources(kc, vc):
+    nb = kc[0].shape[1] * kc[0].dtype.itemsize
+    return (kvc.RealKvSource(kc[0], 1, nb, nb), kvc.RealKvSource(vc[0], 1, nb, nb))
+
+
+def _make_steps(canary_impl, total_len):
+    def off(params, kc, vc, b):
+        kc, vc, nxt = _forward(params, kc, vc, b, attend=True, total_len=total_len)
+        return kc, vc, nxt
+
+    def on(params, kc, vc, state, b):
+        state, ctx = canary_impl.head(state, b)
+        kc, vc, nxt = _forward(params, kc, vc, b, attend=True, total_len=total_len)
+        state = canary_impl.tail(state, ctx, b, _sources(kc, vc))
+        return kc, vc, state, nxt
+
+    def fill(params, kc, vc, state, b):
+        state, ctx = canary_impl.head(state, b)
+        kc, vc, _ = _forward(params, kc, vc, b, attend=False, total_len=0)
+        state = canary_impl.tail(state, ctx, b, _sources(kc, vc))
+        return kc, vc, state
+
+    return (jax.jit(off, donate_argnums=(1, 2)), jax.jit(on, donate_argnums=(1, 2, 3)),
+            jax.jit(fill, donate_argnums=(1, 2, 3)))
+
+
+def _batch_arrays(rpi, prefix, extend, r2t, ids, pos, loc):
+    i32 = lambda a: jnp.asarray(np.asarray(a, np.int32))  # noqa: E731
+    return {"rpi": i32(rpi), "prefix": i32(prefix), "extend": i32(extend), "r2t": i32(r2t), "ids": i32(ids),
+            "pos": i32(pos), "loc": i32(loc)}
+
+
+def serving_step(bs: int, prefix: int, *, rounds: int, target_s: float, seed: int = 0,
+                 force_minimal: bool = False, model=None) -> dict:
+    model = dict(MODEL, **(model or {}))
+    rng = np.random.default_rng(seed)
+    length = prefix + 1
+    ppr = -(-length // PAGE_SIZE)
+    lp = ppr * PAGE_SIZE
+    num_pages = int(np.ceil(bs * ppr * SLACK)) + 1
+    S = num_pages * PAGE_SIZE
+    perm = rng.permutation(np.arange(1, num_pages))[:bs * ppr]
+    r2t = np.zeros((bs + 1, lp), np.int32)
+    r2t[1:] = (perm.reshape(bs, ppr, 1) * PAGE_SIZE + np.arange(PAGE_SIZE)).reshape(bs, lp)
+    tokens = rng.integers(1, model["vocab"], size=(bs + 1, lp), dtype=np.int32)
+    rpi = np.arange(1, bs + 1, dtype=np.int32)
+
+    used, why = "runtime.CanaryEndpoints", None
+    impl = None
+    if not force_minimal:
+        try:
+            impl = _RuntimeCanary(S, bs, bs * prefix)
+        except Exception as e:  # noqa: BLE001
+            why = f"runtime endpoints unusable ({type(e).__name__}: {str(e)[:160]})"
+    if impl is None:
+        impl, used = _MinimalCanary(S, bs, bs * prefix), "minimal (public ops)"
+
+    params = _model_params(rng, model)
+    d = model["d_model"]
+    zeros = lambda: tuple(jnp.zeros((S, d), jnp.float32) for _ in range(model["layers"]))  # noqa: E731
+    off, on, fill = _make_steps(impl, length)
+
+    # prefill the prefix (K/V stores + canary records, no attention), for both the on and off caches
+    fill_b = _batch_arrays(rpi, np.zeros(bs), np.full(bs, prefix), r2t, tokens[1:, :prefix].reshape(-1),
+                           np.tile(np.arange(prefix), bs), r2t[1:, :prefix].reshape(-1))
+    step_b = _batch_arrays(rpi, np.full(bs, prefix), np.ones(bs), r2t, tokens[1:, prefix],
+                           np.full(bs, prefix), r2t[1:, prefix])
+    try:
+        on_kc, on_vc, state = fill(params, zeros(), zeros(), impl.init_state(), fill_b)
+    except Exception as e:  # noqa: BLE001 — the runtime path broke at trace/run time: fall back once
+        if isinstance(impl, _MinimalCanary):
+            raise
+        why = f"runtime endpoints failed ({type(e).__name__}: {str(e)[:160]})"
+        impl, used = _MinimalCanary(S, bs, bs * prefix), "minimal (public ops)"
+        off, on, fill = _make_steps(impl, length)
+        on_kc, on_vc, state = fill(params, zeros(), zeros(), impl.init_state(), fill_b)
+    off_kc = tuple(jnp.array(a, copy=True) for a in on_kc)
+    off_vc = tuple(jnp.array(a, copy=True) for a in on_vc)
+    st = {"on": (on_kc, on_vc, state), "off": (off_kc, off_vc)}
+
+    def run_off():
+        kc, vc = st["off"]
+        kc, vc, nxt = off(params, kc, vc, step_b)
+        st["off"] = (kc, vc)
+        return nxt
+
+    def run_on():
+        kc, vc, s = st["on"]
+        kc, vc, s, nxt = on(params, kc, vc, s, step_b)
+        st["on"] = (kc, vc, s)
+        return nxt, s
+
+    res = measure([Contender("canary_off", run_off, kind="baseline"), Contender("canary_on", run_on)],
+                  rounds=rounds, target_s=target_s)
+    rows = impl.total(st["on"][2])
+    return {"bs": bs, "prefix": prefix, "num_slots": S, "verify_entries_per_verify": bs * prefix,
+            "canary": used, **({"canary_note": why} if why else {}),
+            "launches_per_step": "plan + HEAD verify/write K,V + TAIL verify/write K,V (real-KV PARTIAL, layer 0)",
+            "off_ms": res["canary_off"].median * 1e3, "on_ms": res["canary_on"].median * 1e3,
+            "on_over_off": ratio(res, "canary_off", "canary_on"),
+            "spread_off": res["canary_off"].spread, "spread_on": res["canary_on"].spread,
+            "violations_recorded": rows, "model": model}

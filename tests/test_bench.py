@@ -1,0 +1,155 @@
+"""Smoke tests of the benchmark harness (bench/): timing logic on a fake clock, the native baselines'
+equivalence with the ops, the scenario matrix, the acceptance logic, and a whole tiny run writing
+JSON + Markdown + PNG + README snippet. Fast (< 30 s); no timing assertion."""
+
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.append(ROOT)  # after the installed package: `bench` lives only in the tree
+
+from bench import harness  # noqa: E402
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_measure_interleaves_and_ratios_are_per_round(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(harness.time, "perf_counter", clock)
+    calls = []
+
+    def work(name, cost):
+        def fn():
+            calls.append(name)
+            clock.t += cost
+            return None
+        return fn
+
+    cs = [harness.Contender("a", work("a", 2e-3)), harness.Contender("b", work("b", 1e-3), kind="baseline"),
+          harness.Contender("c", work("c", 4e-3), max_reps=1)]
+    res = harness.measure(cs, rounds=5, target_s=0.01, warmup=2)
+    assert res["a"].reps == 5 and res["b"].reps == 10 and res["c"].reps == 1
+    assert res["a"].median == pytest.approx(2e-3) and res["b"].median == pytest.approx(1e-3)
+    assert len(res["a"].times) == 5
+    # a has half b's throughput; c a quarter
+    assert harness.ratio(res, "a", "b") == pytest.approx(0.5)
+    assert harness.ratio(res, "c", "b") == pytest.approx(0.25)
+    assert harness.ratio(res, "a", "missing") is None
+    # rotation: each round starts with a different contender
+    timed = calls[3 * 3:]  # after warm-up (2) + calibration (1) per contender
+    starts, i = [], 0
+    for r in range(5):
+        starts.append(timed[i])
+        i += sum({"a": 5, "b": 10, "c": 1}.values())
+    assert starts == ["a", "b", "c", "a", "b"]
+
+
+def test_fit_line():
+    slope, icpt = harness.fit_line([1, 2, 4, 8], [3.0 + 2 * x for x in (1, 2, 4, 8)])
+    assert slope == pytest.approx(2.0) and icpt == pytest.approx(3.0)
+
+
+def test_matrix_modes():
+    from bench import cli
+    full = [n for n, _ in cli._matrix("full")]
+    assert sum(n.startswith("decode ") for n in full) == 16
+    assert sum(n.startswith("prefill ") for n in full) == 3
+    assert any("swa w=128" in n for n in full)
+    for mode in ("partial", "all"):
+        for k in (1, 4):
+            assert f"realkv {mode} x{k} decode bs=32 prefix=1024" in full
+    assert "realkv none decode bs=32 prefix=1024" in full
+    quick = [n for n, _ in cli._matrix("quick")]
+    medium = [n for n, kw in cli._matrix("medium")]
+    assert set(quick) <= set(medium) <= set(full)
+    assert all(kw["bs"] * max(kw["prefix"], 1) <= 1 << 20 for _, kw in cli._matrix("medium"))
+
+
+def test_acceptance_logic():
+    from bench import report
+
+    def rec(op, n, ratios):
+        return {"op": op, "entries": n, "scenario": {"name": "x"}, "ratios": {"ffi": ratios}, "contenders": {}}
+    out = {"meta": {"mode": "medium"},
+           "sweep": [rec("verify", 4096, {"vs_gather": 0.1, "vs_c_read": 0.1}),
+                     rec("verify", 65536, {"vs_gather": 1.5, "vs_c_read": 0.4}),
+                     rec("write", 65536, {"vs_c_write_chain": 0.8})]}
+    acc = report.acceptance(out, "cpu")
+    got = {c["what"]: c["ok"] for c in acc["checks"]}
+    assert got == {"verify n=65536: ffi / jitted gather >= 1": True,
+                   "verify n=65536: ffi / native C read loop >= 0.5": False,
+                   "write n=65536: ffi / native C chain loop >= 0.5": True}
+    assert acc["all_ok"] is False
+
+
+def _native_or_skip():
+    from bench import native
+    nat, why = native.load()
+    if nat is None:
+        pytest.skip(why)
+    return nat
+
+
+def test_native_baselines_do_the_same_work():
+    """The C verify loop finds the populated canary clean, and the C chain loop stores exactly the
+    records the op stores."""
+    import jax.numpy as jnp
+
+    from bench import opbench, scenarios
+
+    nat = _native_or_skip()
+    sc = scenarios.build("t", 4, 40, 1)
+    vp = sc.verify_plan
+    assert nat.verify_mismatches(sc.canary, vp.slot_indices, vp.expected_positions, vp.prev_slot_indices,
+                                 sc.verify_entries) == 0
+    sc = scenarios.build("t", 3, 20, 17)
+    env = opbench.Env("cpu", ["ffi"], nat, ref_cap=0, xla_cap=0, notes=[])
+    cs = {c.name: c for c in opbench.write_contenders(sc, env)}
+    before = np.array(cs["c_write_chain"].fn.buffer).copy()
+    cs["c_write_chain"].fn()
+    after_c = np.array(jnp.array(cs["c_write_chain"].fn.buffer))
+    assert not np.array_equal(before, after_c)
+    assert np.array_equal(after_c, np.array(cs["c_write_chain"].fn.expected))
+
+
+def test_smoke_run_writes_every_output(tmp_path):
+    import bench
+
+    out = bench.run(["--smoke", "--no-xla", "--out", str(tmp_path), "--tag", "smoke"])
+    stem = f"cpu-{out['meta']['date']}-smoke"
+    files = sorted(os.listdir(tmp_path))
+    assert f"{stem}.json" in files and f"{stem}.md" in files and "README_snippet.md" in files
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert "native_baselines" in out["meta"]
+    try:
+        import matplotlib  # noqa: F401
+        assert os.path.getsize(tmp_path / f"{stem}.png") > 1000
+    except ImportError:
+        pass
+    data = json.loads((tmp_path / f"{stem}.json").read_text())
+    for key in ("meta", "sweep", "matrix", "dispatch", "step", "acceptance", "copy_bandwidth"):
+        assert key in data
+    assert {r["op"] for r in data["sweep"]} == {"verify", "write", "plan"}
+    for r in data["sweep"] + data["matrix"]:
+        assert r["contenders"]["ffi"]["entries_per_s"] > 0
+        assert r["ratios"]["ffi"][f"vs_{r['baseline']}"] > 0
+        assert all(v == 0 for v in r.get("violations_recorded", {}).values())
+        assert r.get("c_write_chain_records_match_ffi", True)
+    assert all(s["violations_recorded"] == 0 for s in data["step"])
+    assert data["step"][0]["on_over_off"] > 0
+    assert set(data["dispatch"]["ops"]) >= {"verify[ffi]", "write[ffi]", "plan[ffi]", "xla_op"}
+    md = (tmp_path / f"{stem}.md").read_text()
+    assert "## Per-op throughput" in md and "## Scenario matrix" in md and "on/off" in md
+    assert "python -m bench --smoke" in (tmp_path / "README_snippet.md").read_text()
