@@ -16,11 +16,13 @@ Structure.
   earlier request of the same launch (§7.4, a caller error in practice); a vectorised detector finds
   that case and ``lax.cond`` switches to an exact sequential ``while_loop`` over the flat entries.
   Stores are one scatter of each slot's last writer (flat order = (request, entry) order), so
-  duplicate slots resolve deterministically ("later wins").
+  duplicate slots resolve deterministically ("later wins"). The scatter is made to data-depend on
+  the updated log, so that under donation XLA can order it after earlier readers of the canary (a
+  verify just before) and needs no copy of the canary.
 - ring append (§5.1): per-item row counts, an inclusive cumsum, and for each ring row the item found by
   binary search; rows are rebuilt for those ``capacity`` items only and selected into the ring.
 - plan: saturating scan of the verify lengths + binary search for the owning batch row.
-No host callbacks anywhere.
+No host callbacks anywhere. Loop carries are marked varying under ``jax.shard_map`` (``_vary``).
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ def _i32(x):
 
 
 def _searchsorted(a, v, side):
-    # 'scan_unrolled': log2(len(a)) unrolled gather steps, no while loop (GPU friendly).
-    return _i32(jnp.searchsorted(a, v, side=side, method="scan_unrolled"))
+    # 'scan': a fixed-trip-count loop of log2(len(a)) vectorised gather steps. (The unrolled variant
+    # compiles very slowly on XLA:CPU for long arrays: seconds per call at 2**18 elements.)
+    return _i32(jnp.searchsorted(a, v, side=side, method="scan"))
 
 
 def _vma(x):
@@ -337,18 +340,18 @@ def verify(canary, log, verify_plan, *, tag: int, check_verify_expected_token: b
 
 def _lex_lower_bound(sk, si, s, t, n):
     """First p in [0, n] with (sk[p], si[p]) >= (s, t) lexicographically; vectorised over s, t."""
-    lo = jnp.zeros(s.shape, I32)
-    hi = jnp.full(s.shape, n, I32)
-    for _ in range(max(1, int(n).bit_length())):
+    def step(_, lh):
+        lo, hi = lh
         mid = (lo + hi) // 2
         mc = jnp.clip(mid, 0, n - 1)
         kv = sk[mc]
         iv = si[mc]
         less = (kv < s) | ((kv == s) & (iv < t))
         open_ = lo < hi
-        lo = jnp.where(open_ & less, mid + 1, lo)
-        hi = jnp.where(open_ & ~less, mid, hi)
-    return lo
+        return jnp.where(open_ & less, mid + 1, lo), jnp.where(open_ & ~less, mid, hi)
+
+    init = _vary((jnp.zeros(s.shape, I32), jnp.full(s.shape, n, I32)), (sk, si, s, t))
+    return lax.fori_loop(0, max(1, int(n).bit_length()), step, init)[0]
 
 
 def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag: int,
@@ -408,6 +411,7 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag: 
 
     # -- the chain: running hash stored at each entry and the chain-assert expected position
     loop_refs = (canary, log, wp, input_ids, positions, out_cache_loc)
+
     def fast(_):
         lengths = r_hi - r_lo
         lmax = jnp.max(lengths)
