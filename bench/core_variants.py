@@ -38,7 +38,7 @@ using namespace kvcanary;
 // Runtime flags (is64, check_token, number of sources, input/chain asserts) arrive as arguments, as in
 // the FFI handler, so the compiler cannot fold them; the *_spec entry points pass literals instead,
 // which is what dispatching once per launch to a specialised instantiation would give.
-static inline int64_t verify_impl(uint8_t* canary, int64_t S, int64_t stride, const int32_t* slots,
+static inline __attribute__((always_inline)) int64_t verify_impl(uint8_t* canary, int64_t S, int64_t stride, const int32_t* slots,
                                   const int32_t* toks, const int32_t* pos, const int32_t* prevs, int64_t n,
                                   uint8_t* ring, int64_t cap, int32_t* wi, uint8_t* kc, uint8_t* sc, bool is64,
                                   bool check_token, int32_t nsrc) {
@@ -63,7 +63,7 @@ extern "C" int64_t shim_verify_spec(uint8_t* c, int64_t S, int64_t st, const int
                                     int32_t* wi, uint8_t* kc, uint8_t* sc, int64_t, int64_t, int64_t) {
   return verify_impl(c, S, st, s, t, p, pv, n, r, cap, wi, kc, sc, false, false, 0);
 }
-static inline int64_t write_impl(uint8_t* canary, int64_t S, int64_t stride, const int32_t* offsets,
+static inline __attribute__((always_inline)) int64_t write_impl(uint8_t* canary, int64_t S, int64_t stride, const int32_t* offsets,
                                  const int32_t* seeds, int64_t nreq, const int32_t* ids, const int32_t* pos,
                                  const int32_t* locs, int64_t n, uint8_t* ring, int64_t cap, int32_t* wi,
                                  uint8_t* kc, uint8_t* sc, bool is64, bool input_assert, bool chain_assert,
