@@ -16,8 +16,7 @@
 
 from __future__ import annotations
 
-import functools
-from typing import Dict, List
+from typing import List
 
 import jax
 import jax.numpy as jnp

@@ -214,7 +214,7 @@ def markdown(out: dict) -> str:
         L += ["## Acceptance", ""] + [f"- {'PASS' if a['ok'] else 'FAIL'} — {a['what']}: {a['value']}"
                                       for a in acc["checks"]] + [""]
     if out.get("sweep"):
-        L += [f"## Per-op throughput (M entries/s), bs=32", ""]
+        L += ["## Per-op throughput (M entries/s), bs=32", ""]
         for op, desc in (("verify", "verify: 32 requests x prefix P"), ("write", "write: 32 requests x E new tokens "
                                                                                  "after a 64-token prefix"),
                          ("plan", "plan: 32 requests x prefix P")):

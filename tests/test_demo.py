@@ -1,26 +1,25 @@
 """The demo CLI: a clean default run (under 60 s), every --inject kind detected as specified,
 --mode raise exits non-zero, and argument errors."""
 
-import os
-import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
 from jax_kvcanary import demo
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 DETECTED = re.compile(r"^  detected           step (\d+) \((\d+) steps? after the fault\): (\S+) (\S+) ",
                       re.M)
 
 
 def run_cli(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    """Runs the installed demo as a user would (outside the source tree, so the installed package
+    and its native module are imported)."""
     t = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "jax_kvcanary.demo", *args], env=env, cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "jax_kvcanary.demo", *args], cwd=tempfile.gettempdir(),
                        capture_output=True, text=True, timeout=timeout)
     return p, time.perf_counter() - t
 

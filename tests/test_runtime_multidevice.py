@@ -2,16 +2,15 @@
 buffers and ring; the monitor gathers rows from all devices and labels them with the device.
 
 Runs in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=4 (the flag must be set
-before JAX starts its CPU backend)."""
+before JAX starts its CPU backend), from a directory outside the source tree so that it imports the
+installed package (with its native module), as a user's process would."""
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import textwrap
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent(r"""
     import json, re
@@ -65,12 +64,10 @@ SCRIPT = textwrap.dedent(r"""
 """)
 
 
-def test_four_devices_own_state_and_labels():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               JAX_PLATFORMS="cpu")
+def test_four_devices_own_state_and_labels(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=600, cwd=ROOT)
+                       timeout=600, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-4000:]
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     r = json.loads(line[len("RESULT "):])

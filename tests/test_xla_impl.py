@@ -27,7 +27,6 @@ import sys
 
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 HERE = pathlib.Path(__file__).resolve()
 MASK64 = (1 << 64) - 1
 
@@ -187,7 +186,6 @@ def scenario_shard_map() -> str:
     D, S, C, N, cap, R, L = 4, 24, 3, 8, 6, 4, 12
     assert len(jax.devices()) == D, jax.devices()
     rng = np.random.default_rng(5)
-    i32 = lambda v: jnp.asarray(np.asarray(v, np.int32))  # noqa: E731
 
     def step(canary, ring, wi, kc, sc, flag, kv, rp, pre, ext, r2t, ids, loc):
         log = kvc.ViolationLog(ring=ring, write_index=wi, kernel_run_counters=kc, slot_run_counters=sc,
@@ -240,7 +238,6 @@ def scenario_shard_map() -> str:
 
 def _run_script(*args, env_extra=None, timeout=600):
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("JAX_PLATFORMS", "cpu")
     env.update(env_extra or {})
     out = subprocess.run([sys.executable, str(HERE), *args], env=env, capture_output=True, text=True,
