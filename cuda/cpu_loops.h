@@ -18,6 +18,38 @@ struct LogView {
   uint8_t* slot_counters;     // [num_tags, 8]
 };
 
+// Verify entries are independent and their slots scattered over pages the hardware prefetcher cannot
+// guess: the loop asks for the slot record this many entries ahead (one 16-slot page in flight).
+constexpr int64_t kVerifyPrefetchAhead = 16;
+
+// The entry loop of a verify launch. kMode fixes, at compile time, what every entry would otherwise
+// test at run time: kIndex32 / kIndex64 (all four plan arrays of that width) let the compiler fold
+// IndexView's width branch; kPlain adds "no token check and no real-KV sources" (the HEAD endpoints'
+// configuration). kGeneric keeps every flag a run-time value. The per-entry logic is verify_entry in
+// every mode: the specialisation only turns run-time flags of `a` into constants.
+enum VerifyLoopMode { kGeneric, kIndex32, kIndex64, kIndex32Plain, kIndex64Plain };
+
+template <VerifyLoopMode kMode>
+void verify_entries(VerifyArgs a, int64_t active, RingAppender& emit) {
+  if constexpr (kMode != kGeneric) {
+    const bool is64 = kMode == kIndex64 || kMode == kIndex64Plain;
+    a.slots.is64 = a.tokens.is64 = a.positions.is64 = a.prevs.is64 = is64;
+  }
+  if constexpr (kMode == kIndex32Plain || kMode == kIndex64Plain) {
+    a.check_token = false;
+    a.sources.count = 0;
+  }
+  for (int64_t e = 0; e < active; ++e) {
+#if defined(__GNUC__)
+    if (e + kVerifyPrefetchAhead < active) {
+      const int64_t s = a.slots[e + kVerifyPrefetchAhead];
+      if (s > 0 && s < a.canary.num_slots) __builtin_prefetch(a.canary.slot_ptr(s));
+    }
+#endif
+    verify_entry(a, e, emit);
+  }
+}
+
 // VERIFY launch (spec §8.3). `capacity` = V; num_valid / enable are the plan's int32[1] values.
 inline void verify_launch(const VerifyArgs& a, int64_t capacity, int32_t num_valid, int32_t enable,
                           const LogView& log) {
@@ -26,7 +58,12 @@ inline void verify_launch(const VerifyArgs& a, int64_t capacity, int32_t num_val
   const int64_t active = verify_active(num_valid, capacity);
   counter_add(log.slot_counters, a.tag, active);
   RingAppender emit{log.ring, log.capacity, log.write_index[0]};
-  for (int64_t e = 0; e < active; ++e) verify_entry(a, e, emit);
+  const bool w = a.slots.is64;
+  const bool same_width = a.tokens.is64 == w && a.positions.is64 == w && a.prevs.is64 == w;
+  const bool plain = !a.check_token && !a.sources.active();
+  if (!same_width) verify_entries<kGeneric>(a, active, emit);
+  else if (plain) w ? verify_entries<kIndex64Plain>(a, active, emit) : verify_entries<kIndex32Plain>(a, active, emit);
+  else w ? verify_entries<kIndex64>(a, active, emit) : verify_entries<kIndex32>(a, active, emit);
   if (emit.count) log.write_index[0] = next_write_index(emit.base, emit.count);
 }
 
