@@ -275,7 +275,10 @@ def verify(canary, log, verify_plan, *, tag: int, check_verify_expected_token: b
         slot_oob = act & (slot != 0) & ((slot < 0) | (slot >= S))
         live = act & (slot > 0) & (slot < S)
         sc = _i32(jnp.clip(slot, 0, S - 1))
-        st_tok, st_pos, st_chain, st_rkv = _read_records(canary, sc)
+        if full is None:
+            st_tok, st_pos, st_chain, st_rkv = _read_records(canary, sc)
+        else:   # no second read of the canary: rows only ever read what the checks read
+            st_tok, st_pos, st_chain = ((full[k][0][ix], full[k][1][ix]) for k in ("st_tok", "st_pos", "st_chain"))
         prev_oob = live & (prev >= S)
         epos = _pi(g(vp.expected_positions))
         etok = _pi(g(vp.expected_tokens)) if check else _pc(-1, n)
@@ -543,11 +546,14 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag: 
     nxt = jnp.concatenate([sk[1:], jnp.full((1,), -1, I32)])
     is_last = (sk < S) & (sk != nxt)
     dst = jnp.where(is_last, sk, S)
-    # Make the in-place store data-depend on the updated log, so it is ordered after every earlier
-    # reader of this canary whose results flowed into the log (e.g. a verify just before this write).
-    # Without it XLA cannot order the two and copies the (donated) canary. dep >= S, so min() is a
-    # no-op on the values.
-    dep = S + (ring[0, 0].astype(I32) | (write_index[0] & 0x7F))
+    # Make the in-place store data-depend on the updated write_index, so it is ordered after every
+    # earlier reader of this canary (e.g. a verify just before this write): a verify reads the canary
+    # only for its checks, whose fail bits flow into the row count and so into write_index (its rows
+    # reuse those reads, see verify's fields()). Without this XLA cannot order the two and copies the
+    # (donated) canary. The ring itself is not read here: reading any element of it made XLA
+    # recompute that element from the ring parameter beside the in-place ring update, and copy the
+    # ring. dep >= S, so min() is a no-op on the values.
+    dep = S + (write_index[0] & 0x7F)
     dst = jnp.minimum(dst, dep)
     rec = U.to_bytes(rec_lo[si], rec_hi[si])                   # [N, 32] in sorted order
     if canary.shape[1] == consts.CANARY_SLOT_BYTES:

@@ -137,15 +137,7 @@ def _check_module(impl, text, donated_leaves, n_params_before):
     assert not bad, f"copies of state-shaped buffers in the donated step: {bad}"
 
 
-def _xfail_xla_ring_copy(impls):
-    return [pytest.param(i, marks=pytest.mark.xfail(
-        strict=True, reason="xla_impl: XLA copies the donated ring (u8[cap,64]) once in a step that "
-        "chains verify and write launches on one log (the ring is rebuilt by a full-size select while "
-        "the parameter is still read); single-op steps are copy-free. Remove this mark once fixed."))
-            if i == "xla" else i for i in impls]
-
-
-@pytest.mark.parametrize("impl", _xfail_xla_ring_copy(BACKENDS))
+@pytest.mark.parametrize("impl", BACKENDS)
 def test_serving_step_aliases_all_state_and_copies_none(impl):
     args = _step_args()
     text = _compiled_serving_step(impl).as_text()
