@@ -8,11 +8,12 @@ import jax
 import numpy as np
 
 from . import consts
+from ._pytree import FieldsPytree
 from .errors import KvCanaryTypeError
 
 
 @jax.tree_util.register_pytree_node_class
-class VerifyPlan:
+class VerifyPlan(FieldsPytree):
     """Work list of one verify launch (``V = verify_capacity``).
 
       slot_indices, expected_tokens, expected_positions, prev_slot_indices   int32/int64[V]
@@ -34,21 +35,9 @@ class VerifyPlan:
         self.num_valid = num_valid
         self.enable = enable
 
-    def tree_flatten(self):
-        return tuple(getattr(self, f) for f in self._FIELDS), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        del aux
-        return cls(*children)
-
-    def __repr__(self):
-        return "VerifyPlan(" + ", ".join(
-            f"{f}={getattr(getattr(self, f), 'shape', getattr(self, f))}" for f in self._FIELDS) + ")"
-
 
 @jax.tree_util.register_pytree_node_class
-class WritePlan:
+class WritePlan(FieldsPytree):
     """Work list of one write launch (``C = write_req_capacity``).
 
       offsets             int32/int64[C + 1]  request r owns flat indices [offsets[r], offsets[r+1])
@@ -64,18 +53,6 @@ class WritePlan:
         self.offsets = offsets
         self.seed_slot_indices = seed_slot_indices
         self.num_valid_reqs = num_valid_reqs
-
-    def tree_flatten(self):
-        return tuple(getattr(self, f) for f in self._FIELDS), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        del aux
-        return cls(*children)
-
-    def __repr__(self):
-        return "WritePlan(" + ", ".join(
-            f"{f}={getattr(getattr(self, f), 'shape', getattr(self, f))}" for f in self._FIELDS) + ")"
 
 
 def _static_int(name: str, value) -> int:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import consts
+from ._pytree import FieldsPytree
 
 
 def new_canary_buffer(num_slots: int, slot_stride_bytes: int = consts.CANARY_SLOT_BYTES) -> jax.Array:
@@ -40,7 +41,7 @@ def _le_int64(arr) -> np.ndarray:
 
 
 @jax.tree_util.register_pytree_node_class
-class ViolationLog:
+class ViolationLog(FieldsPytree):
     """Device-side violation log shared by every launch of a step.
 
     Fields (device arrays):
@@ -87,15 +88,6 @@ class ViolationLog:
         flag = jnp.full((1,), 1 if enabled else 0, jnp.int32)
         return ViolationLog(self.ring, self.write_index, self.kernel_run_counters,
                             self.slot_run_counters, flag)
-
-    # -- pytree -------------------------------------------------------------------------------
-    def tree_flatten(self):
-        return tuple(getattr(self, f) for f in self._FIELDS), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        del aux
-        return cls(*children)
 
     # -- host accessors (block on the device) ------------------------------------------------
     @property
