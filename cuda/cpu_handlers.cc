@@ -33,7 +33,7 @@ ffi::Error VerifyCpu(ffi::AnyBuffer canary, ffi::AnyBuffer ring, ffi::AnyBuffer 
                      ffi::AnyBuffer num_valid, ffi::AnyBuffer enable, ffi::RemainingArgs srcs,
                      ffi::Result<ffi::AnyBuffer> ring_out, ffi::Result<ffi::AnyBuffer> write_index_out,
                      ffi::Result<ffi::AnyBuffer> kernel_counters_out, ffi::Result<ffi::AnyBuffer> slot_counters_out,
-                     int64_t tag, bool check_token, int32_t mode, ffi::Span<const int64_t> page_size,
+                     ffi::Result<ffi::AnyBuffer> /*scratch: CUDA only*/, int64_t tag, bool check_token, int32_t mode, ffi::Span<const int64_t> page_size,
                      ffi::Span<const int64_t> bytes_per_token, ffi::Span<const int64_t> read_bytes) {
   alias_in(ring, ring_out);
   alias_in(write_index, write_index_out);
@@ -60,7 +60,8 @@ ffi::Error WriteCpu(ffi::AnyBuffer canary, ffi::AnyBuffer ring, ffi::AnyBuffer w
                     ffi::AnyBuffer exp_tokens, ffi::AnyBuffer exp_positions, ffi::RemainingArgs srcs,
                     ffi::Result<ffi::AnyBuffer> canary_out, ffi::Result<ffi::AnyBuffer> ring_out,
                     ffi::Result<ffi::AnyBuffer> write_index_out, ffi::Result<ffi::AnyBuffer> kernel_counters_out,
-                    ffi::Result<ffi::AnyBuffer> slot_counters_out, int64_t tag, bool input_assert, int32_t mode,
+                    ffi::Result<ffi::AnyBuffer> slot_counters_out, ffi::Result<ffi::AnyBuffer> /*scratch: CUDA only*/,
+                    int64_t tag, bool input_assert, int32_t mode,
                     ffi::Span<const int64_t> page_size, ffi::Span<const int64_t> bytes_per_token,
                     ffi::Span<const int64_t> read_bytes) {
   alias_in(canary, canary_out);
@@ -92,8 +93,8 @@ ffi::Error PlanCpu(ffi::AnyBuffer rpi, ffi::AnyBuffer prefix, ffi::AnyBuffer ext
                    ffi::Result<ffi::Buffer<ffi::S32>> v_positions, ffi::Result<ffi::Buffer<ffi::S32>> v_prevs,
                    ffi::Result<ffi::Buffer<ffi::S32>> v_num_valid, ffi::Result<ffi::Buffer<ffi::S32>> v_enable,
                    ffi::Result<ffi::Buffer<ffi::S32>> w_offsets, ffi::Result<ffi::Buffer<ffi::S32>> w_seeds,
-                   ffi::Result<ffi::Buffer<ffi::S32>> w_num_valid_reqs, int64_t window, int64_t token_offset,
-                   bool has_lut, bool has_pool) {
+                   ffi::Result<ffi::Buffer<ffi::S32>> w_num_valid_reqs, ffi::Result<ffi::AnyBuffer> /*scratch: CUDA only*/,
+                   int64_t window, int64_t token_offset, bool has_lut, bool has_pool) {
   const PlanArgs a = plan_args(rpi, prefix, extend, r2t, lut, pool, valid_lens, window, token_offset, has_lut, has_pool);
   const PlanOut out{v_slots->typed_data(), v_tokens->typed_data(), v_positions->typed_data(),
                     v_prevs->typed_data(), v_num_valid->typed_data(), v_enable->typed_data(),

@@ -8,8 +8,10 @@
 //   * write launches behave as if requests ran one after another (spec §7.4): a conflict detector
 //     (hash set of the target slots) picks, on the device, either the parallel fast path or a
 //     single-block path that processes the requests in order;
-//   * no host sync, no host read of device data, no device allocation (scratch comes from the FFI
-//     ScratchAllocator), every launch checked with cudaGetLastError().
+//   * no host sync, no host read of device data, no device allocation: scratch is an extra result
+//     buffer of each call, which XLA allocates with the call's other buffers (so it stays valid when
+//     the call is recorded into a command buffer and replayed), sized by *_scratch_bytes() below;
+//     every launch checked with cudaGetLastError().
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -17,6 +19,7 @@
 #include <string>
 
 #include "canary_core.h"
+#include "cuda_scratch.h"
 #include "ffi_common.h"
 
 // Kernel launch. A CPU test harness that emulates the kernels (tests/cuda_emu) defines its own, and
@@ -616,10 +619,10 @@ __global__ void __launch_bounds__(kScatterThreads)
 }
 
 // ================================================================================================
-// Host side. The *_enqueue functions size the scratch, carve it and issue the stream operations of
-// one launch; the FFI handlers below only turn buffers into the launch structs. Nothing on the host
-// reads device data. `Alloc` is `std::optional<void*>(size_t bytes)`: the FFI ScratchAllocator in
-// the handlers (a CPU test harness that emulates the kernels passes its own).
+// Host side. The *_layout functions size and place the scratch of one launch; the *_enqueue functions
+// carve it and issue the stream operations; the FFI handlers below only turn buffers into the launch
+// structs. Nothing on the host reads device data. `Alloc` is `std::optional<void*>(size_t bytes)`:
+// the handler's scratch result (a CPU test harness that emulates the kernels passes its own).
 // ================================================================================================
 int64_t blocks_for(int64_t n, int64_t per_block, int64_t max_blocks) {
   int64_t b = (n + per_block - 1) / per_block;
@@ -660,50 +663,90 @@ T* carve_at(void* base, size_t offset) {
   return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
 }
 
+// VERIFY geometry and scratch: `chunk` entries per block over `grid` blocks; per-block row counts and
+// the launch-start write_index.
+struct VerifyLayout {
+  int64_t chunk, grid;
+  size_t off_rows, off_base, bytes;
+};
+VerifyLayout verify_layout(int64_t capacity) {
+  VerifyLayout v{};
+  const int64_t grid0 = blocks_for(capacity, kVerifyThreads, kVerifyMaxBlocks);
+  const int64_t per_block = (capacity + grid0 - 1) / grid0;
+  v.chunk = (per_block + kVerifyThreads - 1) / kVerifyThreads * kVerifyThreads;
+  if (v.chunk < kVerifyThreads) v.chunk = kVerifyThreads;
+  v.grid = blocks_for(capacity, v.chunk, kVerifyMaxBlocks);
+  ScratchCarver carve;
+  v.off_rows = carve.add(sizeof(int64_t) * v.grid);
+  v.off_base = carve.add(sizeof(int64_t));
+  v.bytes = carve.total();
+  return v;
+}
+
+// WRITE scratch: the control block, the clamped offsets, per-request counts and row starts, and the
+// slot hash set (a power of two >= 2 x N, as there are at most N inserts, and >= 64).
+struct WriteLayout {
+  uint64_t table_size;
+  size_t off_ctrl, off_o, off_rows, off_written, off_start, off_table, bytes;
+};
+WriteLayout write_layout(int64_t C, int64_t N) {
+  WriteLayout w{};
+  w.table_size = 64;
+  while (w.table_size < 2 * static_cast<uint64_t>(N)) w.table_size <<= 1;
+  ScratchCarver carve;
+  w.off_ctrl = carve.add(sizeof(WriteCtrl));
+  w.off_o = carve.add(sizeof(int64_t) * (C + 1));
+  w.off_rows = carve.add(sizeof(int64_t) * C);
+  w.off_written = carve.add(sizeof(int64_t) * C);
+  w.off_start = carve.add(sizeof(int64_t) * C);
+  w.off_table = carve.add(sizeof(unsigned long long) * w.table_size);
+  w.bytes = carve.total();
+  return w;
+}
+
+// PLAN scratch: the batch rows, their saturated verify starts and the number of entries to fill.
+struct PlanLayout {
+  size_t off_rows, off_vstart, off_filled, bytes;
+};
+PlanLayout plan_layout(int64_t bs) {
+  PlanLayout p{};
+  ScratchCarver carve;
+  p.off_rows = carve.add(sizeof(PlanRow) * (bs > 0 ? bs : 1));
+  p.off_vstart = carve.add(sizeof(int64_t) * (bs + 1));
+  p.off_filled = carve.add(sizeof(int64_t));
+  p.bytes = carve.total();
+  return p;
+}
+
 // VERIFY: L.a, capacity, num_valid, enable and the log pointers set; fills chunk and the scratch.
 template <class Alloc>
 ffi::Error verify_enqueue(VerifyLaunch L, Alloc&& alloc, cudaStream_t stream) {
-  const int64_t grid0 = blocks_for(L.capacity, kVerifyThreads, kVerifyMaxBlocks);
-  const int64_t per_block = (L.capacity + grid0 - 1) / grid0;
-  L.chunk = (per_block + kVerifyThreads - 1) / kVerifyThreads * kVerifyThreads;
-  if (L.chunk < kVerifyThreads) L.chunk = kVerifyThreads;
-  const int64_t grid = blocks_for(L.capacity, L.chunk, kVerifyMaxBlocks);
-  ScratchCarver carve;
-  const size_t off_rows = carve.add(sizeof(int64_t) * grid);
-  const size_t off_base = carve.add(sizeof(int64_t));
-  const std::optional<void*> mem = alloc(carve.total());
+  const VerifyLayout v = verify_layout(L.capacity);
+  L.chunk = v.chunk;
+  const std::optional<void*> mem = alloc(v.bytes);
   if (!mem.has_value()) return no_scratch("verify");
-  L.block_rows = carve_at<int64_t>(*mem, off_rows);
-  L.base = carve_at<int64_t>(*mem, off_base);
-  KVC_LAUNCH(verify_count_kernel, static_cast<unsigned>(grid), kVerifyThreads, stream, L);
-  KVC_LAUNCH(verify_emit_kernel, static_cast<unsigned>(grid), kVerifyThreads, stream, L);
+  L.block_rows = carve_at<int64_t>(*mem, v.off_rows);
+  L.base = carve_at<int64_t>(*mem, v.off_base);
+  KVC_LAUNCH(verify_count_kernel, static_cast<unsigned>(v.grid), kVerifyThreads, stream, L);
+  KVC_LAUNCH(verify_emit_kernel, static_cast<unsigned>(v.grid), kVerifyThreads, stream, L);
   return check_launch("verify kernel launch");
 }
 
 // WRITE: everything but the scratch pointers and table_mask set.
 template <class Alloc>
 ffi::Error write_enqueue(WriteLaunch L, Alloc&& alloc, cudaStream_t stream) {
-  // Hash set: a power of two >= 2 x N (there are at most N inserts) and >= 64.
-  uint64_t table_size = 64;
-  while (table_size < 2 * static_cast<uint64_t>(L.N)) table_size <<= 1;
-  L.table_mask = table_size - 1;
+  const WriteLayout w = write_layout(L.C, L.N);
+  L.table_mask = w.table_size - 1;
   const int64_t C = L.C;
-  ScratchCarver carve;
-  const size_t off_ctrl = carve.add(sizeof(WriteCtrl));
-  const size_t off_o = carve.add(sizeof(int64_t) * (C + 1));
-  const size_t off_rows = carve.add(sizeof(int64_t) * C);
-  const size_t off_written = carve.add(sizeof(int64_t) * C);
-  const size_t off_start = carve.add(sizeof(int64_t) * C);
-  const size_t off_table = carve.add(sizeof(unsigned long long) * table_size);
-  const std::optional<void*> mem = alloc(carve.total());
+  const std::optional<void*> mem = alloc(w.bytes);
   if (!mem.has_value()) return no_scratch("write");
-  L.ctrl = carve_at<WriteCtrl>(*mem, off_ctrl);
-  L.o = carve_at<int64_t>(*mem, off_o);
-  L.req_rows = carve_at<int64_t>(*mem, off_rows);
-  L.req_written = carve_at<int64_t>(*mem, off_written);
-  L.row_start = carve_at<int64_t>(*mem, off_start);
-  L.table = carve_at<unsigned long long>(*mem, off_table);
-  const cudaError_t err = cudaMemsetAsync(L.table, 0xFF, sizeof(unsigned long long) * table_size, stream);
+  L.ctrl = carve_at<WriteCtrl>(*mem, w.off_ctrl);
+  L.o = carve_at<int64_t>(*mem, w.off_o);
+  L.req_rows = carve_at<int64_t>(*mem, w.off_rows);
+  L.req_written = carve_at<int64_t>(*mem, w.off_written);
+  L.row_start = carve_at<int64_t>(*mem, w.off_start);
+  L.table = carve_at<unsigned long long>(*mem, w.off_table);
+  const cudaError_t err = cudaMemsetAsync(L.table, 0xFF, sizeof(unsigned long long) * w.table_size, stream);
   if (err != cudaSuccess) return cuda_error("cudaMemsetAsync", err);
   const unsigned req_grid = static_cast<unsigned>(blocks_for(C, 1, kMaxGridBlocks));
   KVC_LAUNCH(write_prep_kernel, 1, kOneBlockThreads, stream, L);
@@ -716,15 +759,12 @@ ffi::Error write_enqueue(WriteLaunch L, Alloc&& alloc, cudaStream_t stream) {
 // PLAN: a, bs (<= wcap), vcap, wcap and the output pointers set.
 template <class Alloc>
 ffi::Error plan_enqueue(PlanLaunch L, Alloc&& alloc, cudaStream_t stream) {
-  ScratchCarver carve;
-  const size_t off_rows = carve.add(sizeof(PlanRow) * (L.bs > 0 ? L.bs : 1));
-  const size_t off_vstart = carve.add(sizeof(int64_t) * (L.bs + 1));
-  const size_t off_filled = carve.add(sizeof(int64_t));
-  const std::optional<void*> mem = alloc(carve.total());
+  const PlanLayout p = plan_layout(L.bs);
+  const std::optional<void*> mem = alloc(p.bytes);
   if (!mem.has_value()) return no_scratch("plan");
-  L.rows = carve_at<PlanRow>(*mem, off_rows);
-  L.vstart = carve_at<int64_t>(*mem, off_vstart);
-  L.filled = carve_at<int64_t>(*mem, off_filled);
+  L.rows = carve_at<PlanRow>(*mem, p.off_rows);
+  L.vstart = carve_at<int64_t>(*mem, p.off_vstart);
+  L.filled = carve_at<int64_t>(*mem, p.off_filled);
   const int64_t work = L.vcap > L.wcap + 1 ? L.vcap : L.wcap + 1;
   const unsigned grid = static_cast<unsigned>(blocks_for(work, kPlanThreads, kMaxGridBlocks));
   KVC_LAUNCH(plan_rows_kernel, 1, kOneBlockThreads, stream, L);
@@ -763,18 +803,22 @@ ffi::Error misaligned() {
   return ffi::Error::Internal("kv-canary: CUDA handler got a buffer that is not 8-byte aligned");
 }
 
-struct FfiScratch {
-  ffi::ScratchAllocator& scratch;
-  std::optional<void*> operator()(size_t bytes) { return scratch.Allocate(bytes, 256); }
+// The handler's scratch result, sized in Python by the same *_layout function (scratch_bytes()).
+struct ResultScratch {
+  ffi::Result<ffi::AnyBuffer>& buf;
+  std::optional<void*> operator()(size_t bytes) {
+    if (bytes > buf->size_bytes()) return std::nullopt;
+    return buf->untyped_data();
+  }
 };
 
-ffi::Error VerifyCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer canary, ffi::AnyBuffer ring,
+ffi::Error VerifyCuda(cudaStream_t stream, ffi::AnyBuffer canary, ffi::AnyBuffer ring,
                       ffi::AnyBuffer write_index, ffi::AnyBuffer kernel_counters, ffi::AnyBuffer slot_counters,
                       ffi::AnyBuffer slots, ffi::AnyBuffer tokens, ffi::AnyBuffer positions, ffi::AnyBuffer prevs,
                       ffi::AnyBuffer num_valid, ffi::AnyBuffer enable, ffi::RemainingArgs srcs,
                       ffi::Result<ffi::AnyBuffer> ring_out, ffi::Result<ffi::AnyBuffer> write_index_out,
                       ffi::Result<ffi::AnyBuffer> kernel_counters_out, ffi::Result<ffi::AnyBuffer> slot_counters_out,
-                      int64_t tag, bool check_token, int32_t mode, ffi::Span<const int64_t> page_size,
+                      ffi::Result<ffi::AnyBuffer> scratch, int64_t tag, bool check_token, int32_t mode, ffi::Span<const int64_t> page_size,
                       ffi::Span<const int64_t> bytes_per_token, ffi::Span<const int64_t> read_bytes) {
   cudaError_t err = cudaSuccess;
   if ((err = alias_in(stream, ring, ring_out)) != cudaSuccess ||
@@ -801,10 +845,10 @@ ffi::Error VerifyCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   L.slot_counters = static_cast<uint8_t*>(slot_counters_out->untyped_data());
   if (!log_and_canary_aligned(L.a.canary, L.ring, L.kernel_counters, L.slot_counters, L.a.sources))
     return misaligned();
-  return verify_enqueue(L, FfiScratch{scratch}, stream);
+  return verify_enqueue(L, ResultScratch{scratch}, stream);
 }
 
-ffi::Error WriteCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer canary, ffi::AnyBuffer ring,
+ffi::Error WriteCuda(cudaStream_t stream, ffi::AnyBuffer canary, ffi::AnyBuffer ring,
                      ffi::AnyBuffer write_index, ffi::AnyBuffer kernel_counters, ffi::AnyBuffer slot_counters,
                      ffi::AnyBuffer chain_flag, ffi::AnyBuffer offsets, ffi::AnyBuffer seeds,
                      ffi::AnyBuffer num_valid_reqs, ffi::AnyBuffer input_ids, ffi::AnyBuffer positions,
@@ -812,7 +856,7 @@ ffi::Error WriteCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::An
                      ffi::RemainingArgs srcs, ffi::Result<ffi::AnyBuffer> canary_out,
                      ffi::Result<ffi::AnyBuffer> ring_out, ffi::Result<ffi::AnyBuffer> write_index_out,
                      ffi::Result<ffi::AnyBuffer> kernel_counters_out, ffi::Result<ffi::AnyBuffer> slot_counters_out,
-                     int64_t tag, bool input_assert, int32_t mode, ffi::Span<const int64_t> page_size,
+                     ffi::Result<ffi::AnyBuffer> scratch, int64_t tag, bool input_assert, int32_t mode, ffi::Span<const int64_t> page_size,
                      ffi::Span<const int64_t> bytes_per_token, ffi::Span<const int64_t> read_bytes) {
   cudaError_t err = cudaSuccess;
   if ((err = alias_in(stream, canary, canary_out)) != cudaSuccess ||
@@ -846,17 +890,17 @@ ffi::Error WriteCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::An
   L.slot_counters = static_cast<uint8_t*>(slot_counters_out->untyped_data());
   if (!log_and_canary_aligned(L.a.canary, L.ring, L.kernel_counters, L.slot_counters, L.a.sources))
     return misaligned();
-  return write_enqueue(L, FfiScratch{scratch}, stream);
+  return write_enqueue(L, ResultScratch{scratch}, stream);
 }
 
-ffi::Error PlanCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer rpi, ffi::AnyBuffer prefix,
+ffi::Error PlanCuda(cudaStream_t stream, ffi::AnyBuffer rpi, ffi::AnyBuffer prefix,
                     ffi::AnyBuffer extend, ffi::AnyBuffer r2t, ffi::AnyBuffer lut, ffi::AnyBuffer pool,
                     ffi::AnyBuffer valid_lens, ffi::Result<ffi::Buffer<ffi::S32>> v_slots,
                     ffi::Result<ffi::Buffer<ffi::S32>> v_tokens, ffi::Result<ffi::Buffer<ffi::S32>> v_positions,
                     ffi::Result<ffi::Buffer<ffi::S32>> v_prevs, ffi::Result<ffi::Buffer<ffi::S32>> v_num_valid,
                     ffi::Result<ffi::Buffer<ffi::S32>> v_enable, ffi::Result<ffi::Buffer<ffi::S32>> w_offsets,
                     ffi::Result<ffi::Buffer<ffi::S32>> w_seeds, ffi::Result<ffi::Buffer<ffi::S32>> w_num_valid_reqs,
-                    int64_t window, int64_t token_offset, bool has_lut, bool has_pool) {
+                    ffi::Result<ffi::AnyBuffer> scratch, int64_t window, int64_t token_offset, bool has_lut, bool has_pool) {
   PlanLaunch L{};
   L.a = plan_args(rpi, prefix, extend, r2t, lut, pool, valid_lens, window, token_offset, has_lut, has_pool);
   L.vcap = static_cast<int64_t>(v_slots->element_count());
@@ -872,7 +916,7 @@ ffi::Error PlanCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
   L.offsets = w_offsets->typed_data();
   L.seeds = w_seeds->typed_data();
   L.num_valid_reqs = w_num_valid_reqs->typed_data();
-  return plan_enqueue(L, FfiScratch{scratch}, stream);
+  return plan_enqueue(L, ResultScratch{scratch}, stream);
 }
 
 ffi::Error ScatterCuda(cudaStream_t stream, ffi::AnyBuffer pool, ffi::AnyBuffer flat_ids, ffi::AnyBuffer offsets,
@@ -890,17 +934,20 @@ ffi::Error ScatterCuda(cudaStream_t stream, ffi::AnyBuffer pool, ffi::AnyBuffer 
 
 }  // namespace
 
+int64_t verify_scratch_bytes(int64_t capacity) { return static_cast<int64_t>(verify_layout(capacity).bytes); }
+int64_t write_scratch_bytes(int64_t write_req_capacity, int64_t num_tokens) {
+  return static_cast<int64_t>(write_layout(write_req_capacity, num_tokens).bytes);
+}
+int64_t plan_scratch_bytes(int64_t batch_size) { return static_cast<int64_t>(plan_layout(batch_size).bytes); }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcanary_verify_cuda, VerifyCuda,
-                              KVCANARY_VERIFY_BINDING(.Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                          .Ctx<ffi::ScratchAllocator>()),
+                              KVCANARY_VERIFY_BINDING(.Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcanary_write_cuda, WriteCuda,
-                              KVCANARY_WRITE_BINDING(.Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                         .Ctx<ffi::ScratchAllocator>()),
+                              KVCANARY_WRITE_BINDING(.Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcanary_plan_cuda, PlanCuda,
-                              KVCANARY_PLAN_BINDING(.Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                        .Ctx<ffi::ScratchAllocator>()),
+                              KVCANARY_PLAN_BINDING(.Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcanary_scatter_cuda, ScatterCuda,
                               KVCANARY_SCATTER_BINDING(.Ctx<ffi::PlatformStream<cudaStream_t>>()),

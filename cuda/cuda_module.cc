@@ -2,6 +2,7 @@
 // capsules (cuda_kernels.cu) under the CPU module's target names, so one ffi_call lowers to the
 // native handler of either platform. Importing this module needs no GPU and no CUDA driver: the
 // CUDA runtime is linked statically and only initialises on the first launch.
+#include "cuda_scratch.h"
 #include "registrations.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -17,4 +18,9 @@ NB_MODULE(_kvcanary_cuda, m) {
     return kvcanary::registrations(kvcanary::kvcanary_verify_cuda, kvcanary::kvcanary_write_cuda,
                                    kvcanary::kvcanary_plan_cuda, kvcanary::kvcanary_scatter_cuda);
   });
+  // Bytes of the scratch result of each handler: the CUDA launch geometry decides them.
+  m.def("verify_scratch_bytes", &kvcanary::verify_scratch_bytes, nanobind::arg("capacity"));
+  m.def("write_scratch_bytes", &kvcanary::write_scratch_bytes, nanobind::arg("write_req_capacity"),
+        nanobind::arg("num_tokens"));
+  m.def("plan_scratch_bytes", &kvcanary::plan_scratch_bytes, nanobind::arg("batch_size"));
 }

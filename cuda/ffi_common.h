@@ -49,10 +49,12 @@ inline CanaryView canary_view(const ffi::AnyBuffer& b) {
 }
 
 // Bindings. Argument order, result order and attribute names are the contract with jax_kvcanary/_ffi.py.
+// verify, write and plan end their results with `scratch` (uint8[n]): device scratch of the CUDA
+// handler, sized by cuda_scratch.h (n = 0 without the CUDA module); the CPU handlers ignore it.
 //
 // kvcanary_verify(canary, ring, write_index, kernel_counters, slot_counters,
 //                 slot_indices, expected_tokens, expected_positions, prev_slot_indices, num_valid, enable,
-//                 *sources) -> (ring, write_index, kernel_counters, slot_counters)
+//                 *sources) -> (ring, write_index, kernel_counters, slot_counters, scratch)
 //   attrs: tag:i64, check_token:bool, mode:i32, page_size/bytes_per_token/read_bytes: i64[4]
 #define KVCANARY_VERIFY_BINDING(...)             \
   ffi::Ffi::Bind()                               \
@@ -73,6 +75,7 @@ inline CanaryView canary_view(const ffi::AnyBuffer& b) {
       .Ret<ffi::AnyBuffer>()                     \
       .Ret<ffi::AnyBuffer>()                     \
       .Ret<ffi::AnyBuffer>()                     \
+      .Ret<ffi::AnyBuffer>()                     \
       .Attr<int64_t>("tag")                      \
       .Attr<bool>("check_token")                 \
       .Attr<int32_t>("mode")                     \
@@ -83,7 +86,7 @@ inline CanaryView canary_view(const ffi::AnyBuffer& b) {
 // kvcanary_write(canary, ring, write_index, kernel_counters, slot_counters, chain_assert_flag,
 //                offsets, seed_slot_indices, num_valid_reqs, input_ids, positions, out_cache_loc,
 //                expected_tokens, expected_positions, *sources)
-//   -> (canary, ring, write_index, kernel_counters, slot_counters)
+//   -> (canary, ring, write_index, kernel_counters, slot_counters, scratch)
 //   attrs: tag:i64, input_assert:bool, mode:i32, page_size/bytes_per_token/read_bytes: i64[4]
 #define KVCANARY_WRITE_BINDING(...)              \
   ffi::Ffi::Bind()                               \
@@ -108,6 +111,7 @@ inline CanaryView canary_view(const ffi::AnyBuffer& b) {
       .Ret<ffi::AnyBuffer>()                     \
       .Ret<ffi::AnyBuffer>()                     \
       .Ret<ffi::AnyBuffer>()                     \
+      .Ret<ffi::AnyBuffer>()                     \
       .Attr<int64_t>("tag")                      \
       .Attr<bool>("input_assert")                \
       .Attr<int32_t>("mode")                     \
@@ -117,7 +121,7 @@ inline CanaryView canary_view(const ffi::AnyBuffer& b) {
 
 // kvcanary_plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, lut, pool, valid_lens)
 //   -> (slot_indices, expected_tokens, expected_positions, prev_slot_indices, num_valid, enable,
-//       offsets, seed_slot_indices, num_valid_reqs)            all int32
+//       offsets, seed_slot_indices, num_valid_reqs, scratch)   all int32 but scratch
 //   attrs: window:i64, token_offset:i64, has_lut:bool, has_pool:bool
 #define KVCANARY_PLAN_BINDING(...)               \
   ffi::Ffi::Bind()                               \
@@ -138,6 +142,7 @@ inline CanaryView canary_view(const ffi::AnyBuffer& b) {
       .Ret<ffi::Buffer<ffi::S32>>()              \
       .Ret<ffi::Buffer<ffi::S32>>()              \
       .Ret<ffi::Buffer<ffi::S32>>()              \
+      .Ret<ffi::AnyBuffer>()                     \
       .Attr<int64_t>("window")                   \
       .Attr<int64_t>("token_offset")             \
       .Attr<bool>("has_lut")                     \

@@ -37,7 +37,8 @@ except ImportError:  # tests/ itself on sys.path (pytest rootdir insertion)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMU_DIR = os.path.join(ROOT, "tests", "cuda_emu")
-SOURCES = [os.path.join(ROOT, "cuda", f) for f in ("cuda_kernels.cu", "canary_core.h", "ffi_common.h")] + \
+SOURCES = [os.path.join(ROOT, "cuda", f)
+           for f in ("cuda_kernels.cu", "canary_core.h", "cuda_scratch.h", "ffi_common.h")] + \
           [os.path.join(EMU_DIR, f) for f in ("cuda_runtime.h", "emu_driver.cc")]
 SEEDS = int(os.environ.get("KVC_EMU_SEEDS", "4"))
 

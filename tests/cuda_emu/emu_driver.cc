@@ -8,20 +8,24 @@
 #include <cstdlib>
 #include <memory>
 #include <optional>
-#include <vector>
 
 #include "cuda_kernels.cu"
 
 namespace kvcanary {
 namespace {
 
-// Scratch: fresh memory filled with a pattern (scratch is uninitialised on a GPU), freed at the end.
+// Scratch: a buffer of exactly the size the FFI wrapper gives the handler (cuda_scratch.h), filled
+// with a pattern (the scratch result is uninitialised on a GPU). Asking for more fails the launch,
+// as the handler's ResultScratch does.
 struct EmuScratch {
-  std::vector<std::unique_ptr<unsigned char[]>> blocks;
+  explicit EmuScratch(int64_t bytes) : size(static_cast<size_t>(bytes)), mem(new unsigned char[size]) {
+    std::memset(mem.get(), 0xA5, size);
+  }
+  size_t size;
+  std::unique_ptr<unsigned char[]> mem;
   std::optional<void*> operator()(size_t bytes) {
-    blocks.emplace_back(new unsigned char[bytes]);
-    std::memset(blocks.back().get(), 0xA5, bytes);
-    return static_cast<void*>(blocks.back().get());
+    if (bytes > size) return std::nullopt;
+    return static_cast<void*>(mem.get());
   }
 };
 
@@ -78,7 +82,7 @@ int kvc_emu_verify(uint8_t* canary, int64_t num_slots, int64_t stride, uint8_t* 
   L.write_index = write_index;
   L.kernel_counters = kernel_counters;
   L.slot_counters = slot_counters;
-  EmuScratch scratch;
+  EmuScratch scratch(verify_scratch_bytes(capacity));
   return report(verify_enqueue(L, scratch, nullptr));
 }
 
@@ -113,7 +117,7 @@ int kvc_emu_write(uint8_t* canary, int64_t num_slots, int64_t stride, uint8_t* r
   L.write_index = write_index;
   L.kernel_counters = kernel_counters;
   L.slot_counters = slot_counters;
-  EmuScratch scratch;
+  EmuScratch scratch(write_scratch_bytes(L.C, L.N));
   return report(write_enqueue(L, scratch, nullptr));
 }
 
@@ -153,7 +157,7 @@ int kvc_emu_plan(const void* rpi, int rpi64, const void* prefix, int prefix64, c
   L.offsets = offsets;
   L.seeds = seeds;
   L.num_valid_reqs = num_valid_reqs;
-  EmuScratch scratch;
+  EmuScratch scratch(plan_scratch_bytes(L.bs));
   return report(plan_enqueue(L, scratch, nullptr));
 }
 
