@@ -8,8 +8,13 @@
 #include <cstdint>
 #include <cstring>
 
+// Every core function is inlined into its launcher on both sides (as __forceinline__ does on the
+// device): the launchers specialise the per-launch flags of the argument structs (cpu_loops.h), which
+// only folds away when the per-entry code is inlined into the loop.
 #if defined(__CUDACC__)
 #define KVC_HD __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+#define KVC_HD inline __attribute__((always_inline))
 #else
 #define KVC_HD inline
 #endif
