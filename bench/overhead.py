@@ -177,7 +177,9 @@ class _RuntimeCanary:
 
 def _model_params(rng, model):
     d, L, v = model["d_model"], model["layers"], model["vocab"]
-    mk = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32) / np.sqrt(s[-2] if len(s) > 1 else 1))  # noqa: E731
+    def mk(*s):  # float32 whatever x64 says (numpy would promote by the float64 scale)
+        return jnp.asarray((rng.standard_normal(s) / np.sqrt(s[-2] if len(s) > 1 else 1)).astype(np.float32))
+
     return {"embed": mk(v, d), "wq": mk(L, d, d), "wk": mk(L, d, d), "wv": mk(L, d, d), "wo": mk(L, d, d)}
 
 

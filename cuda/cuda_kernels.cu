@@ -803,6 +803,32 @@ ffi::Error misaligned() {
   return ffi::Error::Internal("kv-canary: CUDA handler got a buffer that is not 8-byte aligned");
 }
 
+// The log of a verify / write call: its input buffers and the results aliased to them.
+struct LogArgs {
+  const ffi::AnyBuffer &ring, &write_index, &kernel_counters, &slot_counters;
+};
+struct LogResults {
+  ffi::Result<ffi::AnyBuffer> &ring, &write_index, &kernel_counters, &slot_counters;
+};
+
+// Points launch L (VerifyLaunch or WriteLaunch) at the log results, after copying the inputs into
+// them should XLA ever hand distinct buffers.
+template <class Launch>
+cudaError_t bind_log(cudaStream_t stream, const LogArgs& in, const LogResults& out, Launch& L) {
+  cudaError_t err = cudaSuccess;
+  if ((err = alias_in(stream, in.ring, out.ring)) != cudaSuccess ||
+      (err = alias_in(stream, in.write_index, out.write_index)) != cudaSuccess ||
+      (err = alias_in(stream, in.kernel_counters, out.kernel_counters)) != cudaSuccess ||
+      (err = alias_in(stream, in.slot_counters, out.slot_counters)) != cudaSuccess)
+    return err;
+  L.ring = static_cast<uint8_t*>(out.ring->untyped_data());
+  L.ring_cap = dim_or_zero(*out.ring, 0);
+  L.write_index = static_cast<int32_t*>(out.write_index->untyped_data());
+  L.kernel_counters = static_cast<uint8_t*>(out.kernel_counters->untyped_data());
+  L.slot_counters = static_cast<uint8_t*>(out.slot_counters->untyped_data());
+  return cudaSuccess;
+}
+
 // The handler's scratch result, sized in Python by the same *_layout function (scratch_bytes()).
 struct ResultScratch {
   ffi::Result<ffi::AnyBuffer>& buf;
@@ -820,13 +846,10 @@ ffi::Error VerifyCuda(cudaStream_t stream, ffi::AnyBuffer canary, ffi::AnyBuffer
                       ffi::Result<ffi::AnyBuffer> kernel_counters_out, ffi::Result<ffi::AnyBuffer> slot_counters_out,
                       ffi::Result<ffi::AnyBuffer> scratch, int64_t tag, bool check_token, int32_t mode, ffi::Span<const int64_t> page_size,
                       ffi::Span<const int64_t> bytes_per_token, ffi::Span<const int64_t> read_bytes) {
-  cudaError_t err = cudaSuccess;
-  if ((err = alias_in(stream, ring, ring_out)) != cudaSuccess ||
-      (err = alias_in(stream, write_index, write_index_out)) != cudaSuccess ||
-      (err = alias_in(stream, kernel_counters, kernel_counters_out)) != cudaSuccess ||
-      (err = alias_in(stream, slot_counters, slot_counters_out)) != cudaSuccess)
-    return cuda_error("cudaMemcpyAsync", err);
   VerifyLaunch L{};
+  const cudaError_t err = bind_log(stream, {ring, write_index, kernel_counters, slot_counters},
+                                   {ring_out, write_index_out, kernel_counters_out, slot_counters_out}, L);
+  if (err != cudaSuccess) return cuda_error("cudaMemcpyAsync", err);
   L.a.canary = canary_view(canary);
   L.a.slots = index_view(slots);
   L.a.tokens = index_view(tokens);
@@ -838,11 +861,6 @@ ffi::Error VerifyCuda(cudaStream_t stream, ffi::AnyBuffer canary, ffi::AnyBuffer
   L.capacity = dim_or_zero(slots, 0);
   L.num_valid = static_cast<const int32_t*>(num_valid.untyped_data());
   L.enable = static_cast<const int32_t*>(enable.untyped_data());
-  L.ring = static_cast<uint8_t*>(ring_out->untyped_data());
-  L.ring_cap = dim_or_zero(*ring_out, 0);
-  L.write_index = static_cast<int32_t*>(write_index_out->untyped_data());
-  L.kernel_counters = static_cast<uint8_t*>(kernel_counters_out->untyped_data());
-  L.slot_counters = static_cast<uint8_t*>(slot_counters_out->untyped_data());
   if (!log_and_canary_aligned(L.a.canary, L.ring, L.kernel_counters, L.slot_counters, L.a.sources))
     return misaligned();
   return verify_enqueue(L, ResultScratch{scratch}, stream);
@@ -856,17 +874,16 @@ ffi::Error WriteCuda(cudaStream_t stream, ffi::AnyBuffer canary, ffi::AnyBuffer 
                      ffi::RemainingArgs srcs, ffi::Result<ffi::AnyBuffer> canary_out,
                      ffi::Result<ffi::AnyBuffer> ring_out, ffi::Result<ffi::AnyBuffer> write_index_out,
                      ffi::Result<ffi::AnyBuffer> kernel_counters_out, ffi::Result<ffi::AnyBuffer> slot_counters_out,
-                     ffi::Result<ffi::AnyBuffer> scratch, int64_t tag, bool input_assert, int32_t mode, ffi::Span<const int64_t> page_size,
-                     ffi::Span<const int64_t> bytes_per_token, ffi::Span<const int64_t> read_bytes) {
-  cudaError_t err = cudaSuccess;
-  if ((err = alias_in(stream, canary, canary_out)) != cudaSuccess ||
-      (err = alias_in(stream, ring, ring_out)) != cudaSuccess ||
-      (err = alias_in(stream, write_index, write_index_out)) != cudaSuccess ||
-      (err = alias_in(stream, kernel_counters, kernel_counters_out)) != cudaSuccess ||
-      (err = alias_in(stream, slot_counters, slot_counters_out)) != cudaSuccess)
-    return cuda_error("cudaMemcpyAsync", err);
-  const int64_t n_tokens = dim_or_zero(input_ids, 0);
+                     ffi::Result<ffi::AnyBuffer> scratch, int64_t tag, bool input_assert, int32_t mode,
+                     ffi::Span<const int64_t> page_size, ffi::Span<const int64_t> bytes_per_token,
+                     ffi::Span<const int64_t> read_bytes) {
   WriteLaunch L{};
+  cudaError_t err = alias_in(stream, canary, canary_out);
+  if (err == cudaSuccess)
+    err = bind_log(stream, {ring, write_index, kernel_counters, slot_counters},
+                   {ring_out, write_index_out, kernel_counters_out, slot_counters_out}, L);
+  if (err != cudaSuccess) return cuda_error("cudaMemcpyAsync", err);
+  const int64_t n_tokens = dim_or_zero(input_ids, 0);
   L.a.canary = canary_view(*canary_out);
   L.a.seeds = index_view(seeds);
   L.a.input_ids = index_view(input_ids);
@@ -883,11 +900,6 @@ ffi::Error WriteCuda(cudaStream_t stream, ffi::AnyBuffer canary, ffi::AnyBuffer 
   L.C = dim_or_zero(seeds, 0);
   L.N = n_tokens;
   L.num_valid_reqs = static_cast<const int32_t*>(num_valid_reqs.untyped_data());
-  L.ring = static_cast<uint8_t*>(ring_out->untyped_data());
-  L.ring_cap = dim_or_zero(*ring_out, 0);
-  L.write_index = static_cast<int32_t*>(write_index_out->untyped_data());
-  L.kernel_counters = static_cast<uint8_t*>(kernel_counters_out->untyped_data());
-  L.slot_counters = static_cast<uint8_t*>(slot_counters_out->untyped_data());
   if (!log_and_canary_aligned(L.a.canary, L.ring, L.kernel_counters, L.slot_counters, L.a.sources))
     return misaligned();
   return write_enqueue(L, ResultScratch{scratch}, stream);
