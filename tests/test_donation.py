@@ -4,7 +4,7 @@ Inside a jitted step that donates the canary state:
 
 * the compiled HLO aliases every donated state parameter to an output (``input_output_alias``) and
   contains no ``copy`` of a state-shaped buffer (ffi: none at all; xla: none of the canary, the ring
-  or the counters — see ``XLA_ALLOWED_COPIES``);
+  or the counters — see ``hlo.XLA_ALLOWED_COPIES``);
 * no "donated buffers were not usable" warning is emitted (all warnings are errors here);
 * the donated input arrays are really consumed (deleted) and replaced by valid outputs;
 * maximally malformed data fed into a donated step completes and gives the reference's bytes: a
@@ -26,6 +26,7 @@ import pytest
 import jax_kvcanary as kvc
 from jax_kvcanary import reference
 
+import hlo
 from conftest import IMPLS
 
 BACKENDS = tuple(i for i in IMPLS if i != "reference")
@@ -35,9 +36,6 @@ X64 = bool(jax.config.jax_enable_x64)
 # Distinctive shapes, so that a copy of a state buffer is recognisable in the HLO text.
 S, STRIDE, CAP, N, C, VC, BS = 96, 40, 24, 10, 4, 40, 3
 KV_ROWS = 80  # one source too short for slots >= 80: OOB rows on real data
-# The pure-JAX verify/write copy the 4-byte write_index while rebuilding it (a scalar, not a
-# state-sized buffer); everything of 8 bytes or more must be updated in place.
-XLA_ALLOWED_COPIES = {"s32[1]"}
 
 
 @pytest.fixture(autouse=True)
@@ -106,34 +104,12 @@ def _hlo(fn, donate, args):
     return jax.jit(fn, donate_argnums=donate).lower(*args).compile().as_text()
 
 
-def _aliases(text):
-    """{output tuple index: parameter number} of the entry computation."""
-    header = next(line for line in text.splitlines() if line.startswith("HloModule"))
-    m = re.search(r"input_output_alias=\{(.*?)\}, entry_computation_layout", header)
-    assert m, f"no input_output_alias in the compiled module: {header[:300]}"
-    return {tuple(int(x) for x in out.split(",") if x.strip()): int(param)
-            for out, param in re.findall(r"\{([\d, ]*)\}: \((\d+), \{\}", m.group(1))}
-
-
-def _copies(text):
-    """Shapes (e.g. 'u8[96,40]') of every copy instruction in the optimised module."""
-    return [m.group(1) for m in re.finditer(r"= (\w+\[[\d,]*\])(?:\{[^}]*\})? copy(?:-start)?\(", text)]
-
-
-def _state_shapes(*arrays):
-    names = {np.dtype(np.uint8): "u8", np.dtype(np.int32): "s32"}
-    return {f"{names[np.dtype(a.dtype)]}[{','.join(str(d) for d in a.shape)}]" for a in arrays}
-
-
 def _check_module(impl, text, donated_leaves, n_params_before):
-    aliases = _aliases(text)
+    aliases = hlo.aliases(text)
     params = set(aliases.values())
     want = set(range(n_params_before, n_params_before + len(donated_leaves)))
     assert want <= params, f"donated state params {sorted(want - params)} are not aliased: {aliases}"
-    shapes = _state_shapes(*donated_leaves)
-    bad = [c for c in _copies(text) if c in shapes]
-    if impl == "xla":
-        bad = [c for c in bad if c not in XLA_ALLOWED_COPIES]
+    bad = hlo.state_copies(impl, text, donated_leaves)
     assert not bad, f"copies of state-shaped buffers in the donated step: {bad}"
 
 
