@@ -20,7 +20,8 @@ Structure.
   the updated log, so that under donation XLA can order it after earlier readers of the canary (a
   verify just before) and needs no copy of the canary.
 - ring append (§5.1): per-item row counts, an inclusive cumsum, and for each ring row the item found by
-  binary search; rows are rebuilt for those ``capacity`` items only and selected into the ring.
+  binary search; each op's per-entry fields are gathered for those ``capacity`` items only and
+  selected into the ring.
 - plan: saturating scan of the verify lengths + binary search for the owning batch row.
 No host callbacks anywhere. Loop carries are marked varying under ``jax.shard_map`` (``_vary``).
 """
@@ -106,6 +107,11 @@ def _counter_add(counters, tag: int, delta):
     d = (jnp.reshape(lax.bitcast_convert_type(_i32(delta), U32), (1,)), jnp.zeros((1,), U32))
     p = U.add(p, d)
     return counters.at[tag].set(U.to_bytes(p[0], p[1]).reshape(consts.COUNTER_BYTES))
+
+
+def _gather(fields, item):
+    """Every per-entry array of ``fields`` (a pytree of [n] arrays and (lo, hi) pairs) at ``item``."""
+    return jax.tree_util.tree_map(lambda a: a[item], fields)
 
 
 def _stack_cols(cols):
@@ -262,61 +268,48 @@ def verify(canary, log, verify_plan, *, tag: int, check_verify_expected_token: b
     active = jnp.where(enabled, jnp.clip(vp.num_valid[0], 0, V), 0).astype(I32)
     slot_ctr = _counter_add(log.slot_run_counters, tag, active)
 
-    def fields(ix, full=None):
-        """Everything about entries ix (int32 [n]; None = all entries in order). With ``full`` (the
-        result for all entries), the hashed values are gathered from it instead of recomputed."""
-        def g(a):
-            return a if ix is None else a[ix]
-        e = _iota(V) if ix is None else ix
-        n = e.shape
-        act = e < active
-        slot = g(vp.slot_indices)
-        prev = g(vp.prev_slot_indices)
-        slot_oob = act & (slot != 0) & ((slot < 0) | (slot >= S))
-        live = act & (slot > 0) & (slot < S)
-        sc = _i32(jnp.clip(slot, 0, S - 1))
-        if full is None:
-            st_tok, st_pos, st_chain, st_rkv = _read_records(canary, sc)
-        else:   # no second read of the canary: rows only ever read what the checks read
-            st_tok, st_pos, st_chain = ((full[k][0][ix], full[k][1][ix]) for k in ("st_tok", "st_pos", "st_chain"))
-        prev_oob = live & (prev >= S)
-        epos = _pi(g(vp.expected_positions))
-        etok = _pi(g(vp.expected_tokens)) if check else _pc(-1, n)
-        if srcs:
-            rk_first, rk_row, rk_bound = _rkv_address(srcs, sc)
-            rkv_oob = live & (rk_first >= 0)
-        else:
-            rk_first = rk_row = rk_bound = jnp.zeros(n, I32)
-            rkv_oob = jnp.zeros(n, bool)
-        if full is not None:
-            exp_chain = (full["exp_chain"][0][ix], full["exp_chain"][1][ix])
-            bits = full["bits"][ix]
-        else:
-            chain_checked = live & (prev != 0) & (prev < S)
-            pc = _i32(jnp.clip(prev, 0, S - 1))
-            p_tok, p_pos, p_chain, _ = _read_records(canary, pc)
-            succ = U.where(prev < 0, U.anchor_hash(n), U.mix3(p_chain, p_tok, p_pos))
-            exp_chain = U.where(chain_checked, succ, st_chain)
-            if check:
-                tok_bad = (g(vp.expected_tokens) != -1) & U.ne(st_tok, etok)
-            else:
-                tok_bad = jnp.zeros(n, bool)
-            exp_rkv = _rkv_hash(srcs, sc) if srcs else U.zeros(n)
-            bits = (jnp.where(chain_checked & U.ne(st_chain, exp_chain), 1, 0)
-                    | jnp.where(tok_bad, 32, 0)
-                    | jnp.where(U.ne(st_pos, epos), 2, 0)
-                    | jnp.where((~rkv_oob) & U.ne(st_rkv, exp_rkv), 4, 0)).astype(I32)
-            bits = jnp.where(live, bits, 0)
-        masks = (slot_oob | prev_oob, rkv_oob, bits != 0)
-        return dict(masks=masks, slot=slot, prev=prev, slot_oob=slot_oob, epos=epos, etok=etok,
-                    st_tok=st_tok, st_pos=st_pos, st_chain=st_chain, exp_chain=exp_chain, bits=bits,
-                    rk_first=rk_first, rk_row=rk_row, rk_bound=rk_bound)
-
-    all_f = fields(None)
-    counts = sum(m.astype(I32) for m in all_f["masks"])
+    # -- everything about every entry (the canary is read once, here: the rows gather from these)
+    e = _iota(V)
+    n = e.shape
+    act = e < active
+    slot = vp.slot_indices
+    prev = vp.prev_slot_indices
+    slot_oob = act & (slot != 0) & ((slot < 0) | (slot >= S))
+    live = act & (slot > 0) & (slot < S)
+    sc = _i32(jnp.clip(slot, 0, S - 1))
+    st_tok, st_pos, st_chain, st_rkv = _read_records(canary, sc)
+    prev_oob = live & (prev >= S)
+    epos = _pi(vp.expected_positions)
+    etok = _pi(vp.expected_tokens) if check else _pc(-1, n)
+    if srcs:
+        rk_first, rk_row, rk_bound = _rkv_address(srcs, sc)
+        rkv_oob = live & (rk_first >= 0)
+    else:
+        rk_first = rk_row = rk_bound = jnp.zeros(n, I32)
+        rkv_oob = jnp.zeros(n, bool)
+    chain_checked = live & (prev != 0) & (prev < S)
+    pc = _i32(jnp.clip(prev, 0, S - 1))
+    p_tok, p_pos, p_chain, _ = _read_records(canary, pc)
+    succ = U.where(prev < 0, U.anchor_hash(n), U.mix3(p_chain, p_tok, p_pos))
+    exp_chain = U.where(chain_checked, succ, st_chain)
+    if check:
+        tok_bad = (vp.expected_tokens != -1) & U.ne(st_tok, etok)
+    else:
+        tok_bad = jnp.zeros(n, bool)
+    exp_rkv = _rkv_hash(srcs, sc) if srcs else U.zeros(n)
+    bits = (jnp.where(chain_checked & U.ne(st_chain, exp_chain), 1, 0)
+            | jnp.where(tok_bad, 32, 0)
+            | jnp.where(U.ne(st_pos, epos), 2, 0)
+            | jnp.where((~rkv_oob) & U.ne(st_rkv, exp_rkv), 4, 0)).astype(I32)
+    bits = jnp.where(live, bits, 0)
+    masks = (slot_oob | prev_oob, rkv_oob, bits != 0)
+    all_f = dict(masks=masks, slot=slot, prev=prev, slot_oob=slot_oob, epos=epos, etok=etok,
+                 st_tok=st_tok, st_pos=st_pos, st_chain=st_chain, exp_chain=exp_chain, bits=bits,
+                 rk_first=rk_first, rk_row=rk_row, rk_bound=rk_bound)
+    counts = sum(m.astype(I32) for m in masks)
 
     def build_rows(item, q):
-        f = fields(item, all_f)
+        f = _gather(all_f, item)
         n = item.shape
         kind = _nth_set(q, f["masks"])
         tagp = _pc(tag, n)
@@ -467,56 +460,42 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag: 
     running_all = (buf[:, 0], buf[:, 1])
     exp_all = (buf[:, 2], buf[:, 3])
 
-    def fields(ix):
-        def g(a):
-            return a if ix is None else a[ix]
-        i = i_all if ix is None else ix
-        n = i.shape
-        req = g(req_all)
-        act = g(ent_act)
-        slot = g(out_cache_loc)
-        nonskip = act & (slot >= 0)
-        in_range = nonskip & (slot < S)
-        tok_raw = g(input_ids)
-        pos_raw = g(positions)
-        tok = _pi(tok_raw)
-        pos = _pi(pos_raw)
-        running = (g(running_all[0]), g(running_all[1]))
-        exp = (g(exp_all[0]), g(exp_all[1]))
-        is_start = act & (i == r_lo[req])
-        m0 = is_start & seed_oob[req]
-        sc = _i32(jnp.clip(slot, 0, S - 1))
-        if srcs:
-            rk_first, rk_row, rk_bound = _rkv_address(srcs, sc)
-            rkv_oob = in_range & (rk_first >= 0)
-        else:
-            rk_first = rk_row = rk_bound = jnp.zeros(n, I32)
-            rkv_oob = jnp.zeros(n, bool)
-        slot_oob = nonskip & (slot >= S)
-        m1 = slot_oob | rkv_oob
-        if input_assert:
-            et_raw = g(expected_input_tokens)
-            ep_raw = g(expected_input_positions)
-            ibits = (jnp.where(tok_raw != et_raw, 8, 0) | jnp.where(pos_raw != ep_raw, 16, 0)).astype(I32)
-            m2 = nonskip & (ibits != 0)
-            et, ep = _pi(et_raw), _pi(ep_raw)
-        else:
-            ibits = jnp.zeros(n, I32)
-            m2 = jnp.zeros(n, bool)
-            et = ep = U.zeros(n)
-        m3 = nonskip & do_pos[req] & U.ne(pos, exp)
-        return dict(masks=(m0, m1, m2, m3), req=req, slot=slot, slot_oob=slot_oob, tok=tok, pos=pos,
-                    running=running, exp=exp, et=et, ep=ep, ibits=ibits, in_range=in_range,
-                    rkv_oob=rkv_oob, rk_first=rk_first, rk_row=rk_row, rk_bound=rk_bound, sc=sc,
-                    nonskip=nonskip)
+    # -- everything about every flat entry (the rows gather from these)
+    n = i_all.shape
+    slot = out_cache_loc
+    nonskip = ent_act & (slot >= 0)
+    in_range = nonskip & (slot < S)
+    m0 = ent_act & (i_all == r_lo[req_all]) & seed_oob[req_all]
+    sc = _i32(jnp.clip(slot, 0, S - 1))
+    if srcs:
+        rk_first, rk_row, rk_bound = _rkv_address(srcs, sc)
+        rkv_oob = in_range & (rk_first >= 0)
+    else:
+        rk_first = rk_row = rk_bound = jnp.zeros(n, I32)
+        rkv_oob = jnp.zeros(n, bool)
+    slot_oob = nonskip & (slot >= S)
+    m1 = slot_oob | rkv_oob
+    if input_assert:
+        ibits = (jnp.where(input_ids != expected_input_tokens, 8, 0)
+                 | jnp.where(positions != expected_input_positions, 16, 0)).astype(I32)
+        m2 = nonskip & (ibits != 0)
+        et, ep = _pi(expected_input_tokens), _pi(expected_input_positions)
+    else:
+        ibits = jnp.zeros(n, I32)
+        m2 = jnp.zeros(n, bool)
+        et = ep = U.zeros(n)
+    m3 = nonskip & do_pos[req_all] & U.ne(pos_all, exp_all)
+    all_f = dict(masks=(m0, m1, m2, m3), req=req_all, slot=slot, slot_oob=slot_oob, tok=tok_all, pos=pos_all,
+                 running=running_all, exp=exp_all, et=et, ep=ep, ibits=ibits, in_range=in_range,
+                 rkv_oob=rkv_oob, rk_first=rk_first, rk_row=rk_row, rk_bound=rk_bound, sc=sc,
+                 nonskip=nonskip)
 
-    all_f = fields(None)
     counts = sum(m.astype(I32) for m in all_f["masks"])
     written = jnp.sum(all_f["nonskip"], dtype=I32)
 
     # -- rows
     def build_rows(item, q):
-        f = fields(item)
+        f = _gather(all_f, item)
         n = item.shape
         kind = _nth_set(q, f["masks"])
         tagp = _pc(tag, n)
@@ -549,7 +528,7 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag: 
     # Make the in-place store data-depend on the updated write_index, so it is ordered after every
     # earlier reader of this canary (e.g. a verify just before this write): a verify reads the canary
     # only for its checks, whose fail bits flow into the row count and so into write_index (its rows
-    # reuse those reads, see verify's fields()). Without this XLA cannot order the two and copies the
+    # gather those reads, see verify's all_f). Without this XLA cannot order the two and copies the
     # (donated) canary. The ring itself is not read here: reading any element of it made XLA
     # recompute that element from the ring parameter beside the in-place ring update, and copy the
     # ring. dep >= S, so min() is a no-op on the values.
