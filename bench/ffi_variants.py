@@ -1,16 +1,15 @@
 """Evidence for CPU-core changes on the real custom-call path: rebuilds the extension module from the
-working tree's sources in a temporary directory, as-is and with the patches of ``core_variants``,
-registers each build's handlers under suffixed FFI target names, and times them inside jit against
-the shipped ``impl='ffi'`` and the baselines, on the same scenario buffers, in interleaved rounds.
+working tree's sources in a temporary directory, as-is and with small source patches, registers each
+build's handlers under suffixed FFI target names, and times them inside jit against the shipped
+``impl='ffi'`` and the baselines, on the same scenario buffers, in interleaved rounds.
 
     PYTHONPATH=. python -m bench.ffi_variants [--verify 32x2048,32x8192,256x4096] [--write 32x2048,32x32768]
 
 Needs cmake + ninja + a C++ compiler + nanobind (the development build's requirements). Nothing in
-the tree is modified. Variants: ``as_is`` (control: must match the shipped module), ``prefetch``
-(core_variants.PATCHES['prefetch']: verify_launch and write_request prefetch the record 16 entries
-ahead), ``i32`` (IndexView hard-wired to int32: the upper bound of hoisting the index-dtype branch
-out of the loops, e.g. by templating the launchers on the index type; not shippable as is),
-``rkv_nodiv`` (real-KV addressing skips its 64-bit divisions when page_size == 1).
+the tree is modified. Variants: ``as_is`` (control: must match the shipped module) and ``rkv_nodiv``
+(real-KV addressing skips its 64-bit divisions when page_size == 1). Variants measured here before and
+since adopted: the verify prefetch and the per-launch specialisation of the index width
+(cuda/cpu_loops.h). A variant whose patch no longer applies is reported as such and skipped.
 """
 
 from __future__ import annotations
@@ -40,8 +39,6 @@ RKV_DIV_PATCH = [
      "    if (v.page_size == 1) return v.data + slot * v.row_bytes;\n"
      "    return v.data + (slot / v.page_size) * v.row_bytes + (slot % v.page_size) * v.bytes_per_token;"),
 ]
-I32_PATCH = [("canary_core.h", "    return is64 ? static_cast<const int64_t*>(data)[i]",
-              "    return false ? static_cast<const int64_t*>(data)[i]")]
 
 
 def build(tmp, name, patches):
@@ -82,9 +79,10 @@ def _verify_fn(suffix, mode=0):
     from jax_kvcanary import _ffi
 
     def f(canary, log, p, srcs):
-        call = jax.ffi.ffi_call(f"{_ffi.VERIFY_TARGET}__{suffix}", _ffi._log_outputs(log),
+        scratch = _ffi._scratch("verify_scratch_bytes", p.slot_indices.shape[0])
+        call = jax.ffi.ffi_call(f"{_ffi.VERIFY_TARGET}__{suffix}", _ffi._log_outputs(log) + (scratch,),
                                 input_output_aliases={1: 0, 2: 1, 3: 2, 4: 3})
-        ring, wi, kc, sc = call(canary, log.ring, log.write_index, log.kernel_run_counters, log.slot_run_counters,
+        ring, wi, kc, sc, _ = call(canary, log.ring, log.write_index, log.kernel_run_counters, log.slot_run_counters,
                                 p.slot_indices, p.expected_tokens, p.expected_positions, p.prev_slot_indices,
                                 p.num_valid, p.enable, *[s.array for s in srcs], tag=np.int64(2),
                                 check_token=np.bool_(False), **_ffi._source_attrs(srcs, mode if srcs else 0))
@@ -100,9 +98,11 @@ def _write_fn(suffix):
 
     def f(canary, log, wp, ids, pos, loc):
         z = jnp.zeros((0,), jnp.int32)
-        call = jax.ffi.ffi_call(f"{_ffi.WRITE_TARGET}__{suffix}", (_ffi._sds(canary),) + _ffi._log_outputs(log),
+        scratch = _ffi._scratch("write_scratch_bytes", wp.seed_slot_indices.shape[0], ids.shape[0])
+        call = jax.ffi.ffi_call(f"{_ffi.WRITE_TARGET}__{suffix}",
+                                (_ffi._sds(canary),) + _ffi._log_outputs(log) + (scratch,),
                                 input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3, 4: 4})
-        canary, ring, wi, kc, sc = call(canary, log.ring, log.write_index, log.kernel_run_counters,
+        canary, ring, wi, kc, sc, _ = call(canary, log.ring, log.write_index, log.kernel_run_counters,
                                         log.slot_run_counters, log.enable_chain_position_assert, wp.offsets,
                                         wp.seed_slot_indices, wp.num_valid_reqs, ids, pos, loc, z, z,
                                         tag=np.int64(2), input_assert=np.bool_(False), **_ffi._source_attrs((), 0))
@@ -130,13 +130,12 @@ def main(argv=None):
 
     import jax_kvcanary as kvc
 
-    from . import core_variants, harness, native, opbench, scenarios
+    from . import harness, native, opbench, scenarios
 
     tmp = tempfile.mkdtemp(prefix="kvcanary-ffi-")
     names, notes = [], {}
     try:
-        for name, patches in (("as_is", []), ("prefetch", core_variants.PATCHES["prefetch"]), ("i32", I32_PATCH),
-                              ("rkv_nodiv", RKV_DIV_PATCH)):
+        for name, patches in (("as_is", []), ("rkv_nodiv", RKV_DIV_PATCH)):
             path, why = build(tmp, name, patches)
             if why:
                 notes[name] = why
@@ -155,54 +154,53 @@ def main(argv=None):
         jobs = ([("verify", bs, p, None) for bs, p in _parse(args.verify)]
                 + [("write", bs, p, None) for bs, p in _parse(args.write)]
                 + [("verify", 32, 1024, r) for r in rkv])
-        if True:
-            for op, bs, p, rk in jobs:
-                mode = RealKvHashMode[rk[0]] if rk else RealKvHashMode.NONE
+        for op, bs, p, rk in jobs:
+            mode = RealKvHashMode[rk[0]] if rk else RealKvHashMode.NONE
+            if op == "verify":
+                sc = scenarios.build("v", bs, p, 1, mode=mode, num_sources=rk[1] if rk else 0)
+                n = sc.verify_entries
+                keep = ("ffi", "gather", "c_read", "c_verify_mix3")
+                cs = [c for c in opbench.verify_contenders(sc, env) if c.name in keep]
+            else:
+                sc = scenarios.build("w", bs, 64, p)
+                n = sc.write_entries
+                cs = [c for c in opbench.write_contenders(sc, env) if c.name in ("ffi", "scatter", "c_write_chain")]
+            for name in names:
+                st = {"log": kvc.ViolationLog.create(64), "canary": jnp.array(sc.canary, copy=True)}
                 if op == "verify":
-                    sc = scenarios.build("v", bs, p, 1, mode=mode, num_sources=rk[1] if rk else 0)
-                    n = sc.verify_entries
-                    keep = ("ffi", "gather", "c_read", "c_verify_mix3")
-                    cs = [c for c in opbench.verify_contenders(sc, env) if c.name in keep]
+                    f = _verify_fn(name, int(mode))
+
+                    def run(f=f, st=st, sc=sc):
+                        st["log"] = f(sc.canary, st["log"], sc.verify_plan, sc.sources)
+                        return st["log"]
                 else:
-                    sc = scenarios.build("w", bs, 64, p)
-                    n = sc.write_entries
-                    cs = [c for c in opbench.write_contenders(sc, env) if c.name in ("ffi", "scatter", "c_write_chain")]
-                for name in names:
-                    st = {"log": kvc.ViolationLog.create(64), "canary": jnp.array(sc.canary, copy=True)}
-                    if op == "verify":
-                        f = _verify_fn(name, int(mode))
+                    f = _write_fn(name)
 
-                        def run(f=f, st=st, sc=sc):
-                            st["log"] = f(sc.canary, st["log"], sc.verify_plan, sc.sources)
-                            return st["log"]
-                    else:
-                        f = _write_fn(name)
-
-                        def run(f=f, st=st):
-                            st["canary"], st["log"] = f(st["canary"], st["log"], sc.write_plan, sc.input_ids,
-                                                        sc.positions, sc.out_cache_loc)
-                            return st["log"]
-                    run.state = st
-                    cs.append(harness.Contender(f"ffi_{name}", run))
-                res = harness.measure(cs, rounds=args.rounds, target_s=args.target_s)
-                for c in cs:
-                    st = getattr(c.fn, "state", None)
-                    if st and st["log"].total():
-                        raise RuntimeError(f"{c.name} recorded violations on a clean scenario")
-                ref = "c_read" if op == "verify" else "c_write_chain"
-                base = "gather" if op == "verify" else "scatter"
-                rec = {"op": op, "bs": bs, "size": p, "entries": n, "real_kv": list(rk) if rk else None,
-                       "entries_per_s": {k: n / r.median for k, r in res.items()},
-                       "vs_shipped_ffi": {k: harness.ratio(res, k, "ffi") for k in res},
-                       f"vs_{ref}": {k: harness.ratio(res, k, ref) for k in res},
-                       f"vs_{base}": {k: harness.ratio(res, k, base) for k in res},
-                       "spread": {k: r.spread for k, r in res.items()}}
-                out.append(rec)
-                print(f"{op} n={n}{' real-KV ' + str(rk) if rk else ''}: " + "  ".join(f"{k}={v / 1e6:.1f}M/s" for k, v in rec["entries_per_s"].items()))
-                for key in ("vs_shipped_ffi", f"vs_{ref}", f"vs_{base}"):
-                    if any(v is not None for v in rec[key].values()):
-                        print(f"    {key:16s} " + "  ".join(f"{k}={v:.2f}" for k, v in rec[key].items()
-                                                         if k.startswith("ffi") and v is not None))
+                    def run(f=f, st=st):
+                        st["canary"], st["log"] = f(st["canary"], st["log"], sc.write_plan, sc.input_ids,
+                                                    sc.positions, sc.out_cache_loc)
+                        return st["log"]
+                run.state = st
+                cs.append(harness.Contender(f"ffi_{name}", run))
+            res = harness.measure(cs, rounds=args.rounds, target_s=args.target_s)
+            for c in cs:
+                st = getattr(c.fn, "state", None)
+                if st and st["log"].total():
+                    raise RuntimeError(f"{c.name} recorded violations on a clean scenario")
+            ref = "c_read" if op == "verify" else "c_write_chain"
+            base = "gather" if op == "verify" else "scatter"
+            rec = {"op": op, "bs": bs, "size": p, "entries": n, "real_kv": list(rk) if rk else None,
+                   "entries_per_s": {k: n / r.median for k, r in res.items()},
+                   "vs_shipped_ffi": {k: harness.ratio(res, k, "ffi") for k in res},
+                   f"vs_{ref}": {k: harness.ratio(res, k, ref) for k in res},
+                   f"vs_{base}": {k: harness.ratio(res, k, base) for k in res},
+                   "spread": {k: r.spread for k, r in res.items()}}
+            out.append(rec)
+            print(f"{op} n={n}{' real-KV ' + str(rk) if rk else ''}: " + "  ".join(f"{k}={v / 1e6:.1f}M/s" for k, v in rec["entries_per_s"].items()))
+            for key in ("vs_shipped_ffi", f"vs_{ref}", f"vs_{base}"):
+                if any(v is not None for v in rec[key].values()):
+                    print(f"    {key:16s} " + "  ".join(f"{k}={v:.2f}" for k, v in rec[key].items()
+                                                     if k.startswith("ffi") and v is not None))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"notes": notes, "results": out, "machine": harness.machine_info("cpu")}, f, indent=1)
