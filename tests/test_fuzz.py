@@ -33,6 +33,7 @@ import jax_kvcanary as kvc
 from jax_kvcanary import hashing, reference
 from jax_kvcanary.consts import IndexKind, RealKvHashMode
 
+from cases import compare as diffs
 from conftest import IMPLS
 
 X64 = bool(jax.config.jax_enable_x64)
@@ -339,37 +340,6 @@ def run_backend(op, cls, impl, args, kwargs):
         _JITS[key] = jax.jit(lambda a, d: fn(*a, impl=impl, **static, **d))
     out = _JITS[key](*jax.tree_util.tree_map(jnp.asarray, (args, dyn)))
     return jax.tree_util.tree_map(np.asarray, out)
-
-
-def flatten(op, out):
-    if op == "write":
-        canary, log = out
-        d = {"canary": canary}
-    elif op == "verify":
-        log, d = out, {}
-    elif op == "plan":
-        vp, wp = out
-        return {f"{type(x).__name__}.{f}": np.asarray(getattr(x, f)) for x in (vp, wp) for f in x._FIELDS}
-    else:
-        return {"pool": np.asarray(out)}
-    d.update({f"log.{f}": getattr(log, f) for f in log._FIELDS})
-    return {k: np.asarray(v) for k, v in d.items()}
-
-
-def diffs(op, ref, got):
-    r, o = flatten(op, ref), flatten(op, got)
-    out = []
-    for name, a in r.items():
-        b = o[name]
-        if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
-            if name == "log.ring":
-                ra, rb = a.view("<i8"), b.view("<i8")
-                bad = np.nonzero((ra != rb).any(axis=1))[0][:3]
-                out.append(f"{name} rows {bad.tolist()}: got {rb[bad].tolist()} want {ra[bad].tolist()}")
-            else:
-                out.append(f"{name}: got {b.dtype}{b.shape} {b.ravel()[:24].tolist()} "
-                           f"want {a.dtype}{a.shape} {a.ravel()[:24].tolist()}")
-    return out
 
 
 def i64(a):
