@@ -31,10 +31,12 @@ static inline uint64_t mix3(uint64_t a, uint64_t b, uint64_t c) {
 static inline uint64_t ld(const uint8_t* p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static inline void st(uint8_t* p, uint64_t v) { memcpy(p, &v, 8); }
 
-uint64_t kvb_read_records(const uint8_t* canary, int64_t stride, const int32_t* slots, const int32_t* prevs,
-                          int64_t n) {
+/* The read loop; `prefetch` is a literal at both call sites, so each gets its own loop. */
+static inline uint64_t read_records(const uint8_t* canary, int64_t stride, const int32_t* slots,
+                                    const int32_t* prevs, int64_t n, int prefetch) {
   uint64_t acc = 0;
   for (int64_t e = 0; e < n; ++e) {
+    if (prefetch && e + 16 < n) __builtin_prefetch(canary + (int64_t)slots[e + 16] * stride);
     const uint8_t* a = canary + (int64_t)slots[e] * stride;
     const int32_t pv = prevs[e] > 0 ? prevs[e] : 0;
     const uint8_t* b = canary + (int64_t)pv * stride;
@@ -44,18 +46,14 @@ uint64_t kvb_read_records(const uint8_t* canary, int64_t stride, const int32_t* 
   return acc;
 }
 
+uint64_t kvb_read_records(const uint8_t* canary, int64_t stride, const int32_t* slots, const int32_t* prevs,
+                          int64_t n) {
+  return read_records(canary, stride, slots, prevs, n, 0);
+}
+
 uint64_t kvb_read_records_prefetch(const uint8_t* canary, int64_t stride, const int32_t* slots,
                                    const int32_t* prevs, int64_t n) {
-  uint64_t acc = 0;
-  for (int64_t e = 0; e < n; ++e) {
-    if (e + 16 < n) __builtin_prefetch(canary + (int64_t)slots[e + 16] * stride);
-    const uint8_t* a = canary + (int64_t)slots[e] * stride;
-    const int32_t pv = prevs[e] > 0 ? prevs[e] : 0;
-    const uint8_t* b = canary + (int64_t)pv * stride;
-    acc ^= ld(a) ^ ld(a + 8) ^ ld(a + 16) ^ ld(a + 24);
-    acc += ld(b) ^ ld(b + 8) ^ ld(b + 16) ^ ld(b + 24);
-  }
-  return acc;
+  return read_records(canary, stride, slots, prevs, n, 1);
 }
 
 int64_t kvb_verify_mix3(const uint8_t* canary, int64_t num_slots, int64_t stride, const int32_t* slots,
