@@ -106,6 +106,17 @@ def _fmt_rate(x):
     return "-" if x is None else f"{x / 1e6:.1f}M/s"
 
 
+def _measure(ops, sc, env, rk) -> list:
+    """Times each op of ``ops`` on scenario ``sc``; prints and returns the records."""
+    from . import opbench
+
+    recs = []
+    for op in ops:
+        recs.append(opbench.measure_op(op, sc, env, **rk))
+        _print_rec(recs[-1])
+    return recs
+
+
 def _print_rec(rec):
     c = rec["contenders"]
     parts = [f"{k}={_fmt_rate(v['entries_per_s'])}" for k, v in c.items()]
@@ -186,16 +197,11 @@ def run(argv=None) -> dict:
                 with_xla = p in xla_sweep
                 env.backends = [b for b in backends if b != "xla" or with_xla]
                 sc = scenarios.build(f"sweep verify/plan bs={SWEEP_BS} prefix={p}", SWEEP_BS, p, 1, seed=args.seed)
-                for op in ("verify", "plan"):
-                    rec = opbench.measure_op(op, sc, env, **rk)
-                    _print_rec(rec)
-                    sweep.append(rec)
+                sweep += _measure(("verify", "plan"), sc, env, rk)
                 del sc
                 sc = scenarios.build(f"sweep write bs={SWEEP_BS} prefix={WRITE_PREFIX} extend={p}", SWEEP_BS,
                                      WRITE_PREFIX, p, seed=args.seed)
-                rec = opbench.measure_op("write", sc, env, **rk)
-                _print_rec(rec)
-                sweep.append(rec)
+                sweep += _measure(("write",), sc, env, rk)
                 del sc
             env.backends = backends
             out["sweep"] = sweep
@@ -211,10 +217,7 @@ def run(argv=None) -> dict:
             for name, kw in _matrix(args.mode):
                 sc = scenarios.build(name, seed=args.seed, **kw)
                 _log(f"  {name}")
-                for op in ("plan", "verify", "write"):
-                    rec = opbench.measure_op(op, sc, env, **rk)
-                    _print_rec(rec)
-                    matrix.append(rec)
+                matrix += _measure(("plan", "verify", "write"), sc, env, rk)
                 del sc
             env.backends = backends
             out["matrix"] = matrix
