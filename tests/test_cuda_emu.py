@@ -28,12 +28,8 @@ import pytest
 import jax_kvcanary as kvc
 from jax_kvcanary import checks
 
-try:
-    from tests import gpu_cases
-    from tests.cases import CONFIGS, OPS, compare, describe_case, make_case, run_reference
-except ImportError:  # tests/ itself on sys.path (pytest rootdir insertion)
-    import gpu_cases
-    from cases import CONFIGS, OPS, compare, describe_case, make_case, run_reference
+from tests.support import gpu_cases
+from tests.support.cases import CONFIGS, OPS, compare, describe_case, make_case, run_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMU_DIR = os.path.join(ROOT, "tests", "cuda_emu")

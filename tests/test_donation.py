@@ -26,8 +26,8 @@ import pytest
 import jax_kvcanary as kvc
 from jax_kvcanary import reference
 
-import hlo
-from conftest import IMPLS
+from tests.support import hlo
+from tests.support.impls import IMPLS
 
 BACKENDS = tuple(i for i in IMPLS if i != "reference")
 ROOT = pathlib.Path(__file__).resolve().parents[1]

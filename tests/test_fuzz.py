@@ -33,8 +33,8 @@ import jax_kvcanary as kvc
 from jax_kvcanary import hashing, reference
 from jax_kvcanary.consts import IndexKind, RealKvHashMode
 
-from cases import compare as diffs
-from conftest import IMPLS
+from tests.support.cases import compare as diffs
+from tests.support.impls import IMPLS
 
 X64 = bool(jax.config.jax_enable_x64)
 FULL = os.environ.get("KVC_FUZZ_FULL", "") not in ("", "0")

@@ -4,9 +4,9 @@ Every test here carries the ``gpu`` marker (tests/conftest.py skips them without
 case runs on ``jax.devices('gpu')[0]`` and ``jax.devices('cpu')[0]`` (inputs committed there with
 ``jax.device_put``), with ``impl='ffi'``:
 
-* tests/cases.py's configs (every sentinel, OOB rows, malformed plans, int32 / int64 / mixed index
+* tests/support/cases.py's configs (every sentinel, OOB rows, malformed plans, int32 / int64 / mixed index
   arrays, 0..4 real-KV sources of several dtypes): GPU == reference and GPU == CPU;
-* tests/gpu_cases.py's stress cases at GPU scale (multi-block verify with rows in every block,
+* tests/support/gpu_cases.py's stress cases at GPU scale (multi-block verify with rows in every block,
   ring overflow, long and many requests, duplicate slots and seeds written in the same launch,
   big plans and scatters): GPU == CPU; at the emulation scale also GPU == reference;
 * the ops chained inside one jitted, donated step; and the same under XLA command buffers
@@ -31,12 +31,8 @@ import jax.numpy as jnp
 import jax_kvcanary as kvc
 from jax_kvcanary import _ffi
 
-try:
-    from tests import gpu_cases
-    from tests.cases import CONFIGS, OPS, STATIC_KWARGS, compare, describe_case, make_case, run_reference, x64_scope
-except ImportError:  # tests/ itself on sys.path (pytest rootdir insertion)
-    import gpu_cases
-    from cases import CONFIGS, OPS, STATIC_KWARGS, compare, describe_case, make_case, run_reference, x64_scope
+from tests.support import gpu_cases
+from tests.support.cases import CONFIGS, OPS, STATIC_KWARGS, compare, describe_case, make_case, run_reference, x64_scope
 
 pytestmark = pytest.mark.gpu
 
@@ -217,11 +213,12 @@ def test_jitted_donated_step_matches_cpu():
 
 _CMDBUF_SCRIPT = textwrap.dedent("""
     import os, sys, numpy as np
-    sys.path[:0] = [os.environ["KVC_ROOT"], os.path.join(os.environ["KVC_ROOT"], "tests")]
-    import jax, test_gpu
+    sys.path[:0] = [os.environ["KVC_ROOT"]]
+    import jax
+    from tests import test_gpu
     cpu = test_gpu._run_steps("cpu", steps=4)
     gpu = test_gpu._run_steps("gpu", steps=4)
-    from cases import compare
+    from tests.support.cases import compare
     d = compare("write", cpu, gpu)
     print("DIFFS", len(d))
     for x in d[:4]:

@@ -34,7 +34,7 @@ import pytest
 import jax_kvcanary as kvc
 from jax_kvcanary.consts import IndexKind, LaunchTag
 
-from conftest import IMPLS
+from tests.support.impls import IMPLS
 
 STEPS = {"ffi": int(os.environ.get("KVC_LONG_STEPS", "10000")),
          "xla": int(os.environ.get("KVC_LONG_XLA_STEPS", os.environ.get("KVC_LONG_STEPS_XLA", "1500")))}

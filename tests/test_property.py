@@ -1,7 +1,7 @@
 """Property tests: every implementation under test against the numpy reference, byte for byte.
 
 The reference (``jax_kvcanary.reference``) is always the oracle; the compared implementations are
-``ffi`` and ``xla`` (filtered by ``KVC_TEST_IMPLS``). Cases come from ``tests/cases.py``: a few fixed
+``ffi`` and ``xla`` (filtered by ``KVC_TEST_IMPLS``). Cases come from ``tests/support/cases.py``: a few fixed
 shapes/static options per op ("configs", so jit compiles are reused) with the data varied by seed.
 ``KVC_PROPERTY_SEEDS`` (default 26) sets the seeds per config: 8 configs x 26 = 208 cases per op.
 
@@ -18,12 +18,9 @@ import numpy as np
 import pytest
 
 from jax_kvcanary import consts
-try:
-    from tests.cases import (COMPARED_IMPLS, CONFIGS, OPS, case_id, compare, describe_case,
-                             make_case, run_impl, run_reference, x64_scope)
-except ImportError:  # tests/ itself on sys.path (pytest rootdir insertion)
-    from cases import (COMPARED_IMPLS, CONFIGS, OPS, case_id, compare, describe_case, make_case,
-                       run_impl, run_reference, x64_scope)
+from tests.support.cases import (CONFIGS, OPS, case_id, compare, describe_case, make_case, run_impl,
+                                 run_reference, x64_scope)
+from tests.support.impls import COMPARED_IMPLS
 
 SEEDS = int(os.environ.get("KVC_PROPERTY_SEEDS", "26"))
 OP_CONFIGS = [(op, cfg) for op in OPS for cfg in CONFIGS[op]]

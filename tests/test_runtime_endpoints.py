@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import hlo
+from tests.support import hlo
 import jax_kvcanary as kvc
 from jax_kvcanary.consts import LaunchTag as T
 from jax_kvcanary.runtime import (CanaryBatch, CanaryConfig, CanaryEndpoints, CanaryHealthError,

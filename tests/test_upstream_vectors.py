@@ -1,7 +1,7 @@
-"""Replay upstream SGLang kv-canary golden scenarios (``shared/testdata/upstream``, see its FORMAT.md)
+"""Replay upstream SGLang kv-canary golden scenarios (``tests/data/upstream``, see its FORMAT.md)
 through the public ops (``ops`` fixture: reference, ffi, xla) and compare bytes.
 
-Mapping onto this project's representation (DESIGN.md §3, spec §3.3 / §13.2):
+Mapping onto this project's representation (docs/format.md §3.3 / §13.2):
 
 * ``violation_ring`` int64[cap, 8]  -> ``log.ring`` uint8[cap, 64] (same bytes);
 * ``violation_write_index`` [1]     -> ``log.write_index`` int32[1];
@@ -12,13 +12,12 @@ Mapping onto this project's representation (DESIGN.md §3, spec §3.3 / §13.2):
 Every scenario runs twice: with int64 index arrays (under ``jax.enable_x64``), and with int32 arrays
 (x64 off, the serving default) when every value fits.
 
-The data is read from ``<repo>/../shared/testdata/upstream`` (or ``$KVC_UPSTREAM_DIR``); it is never
-copied into the repository.
+The scenarios were produced by upstream's own reference code and are kept in the repository; a
+missing or empty data directory fails the suite (it is never skipped).
 """
 
 import contextlib
 import json
-import os
 from pathlib import Path
 
 import jax
@@ -30,18 +29,8 @@ import pytest
 import jax_kvcanary as kvc
 
 
-def _upstream_dir():
-    here = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "upstream"
-    if here.is_dir():
-        return here
-    env = os.environ.get("KVC_UPSTREAM_DIR")
-    if env and Path(env).is_dir():
-        return Path(env)
-    return None
-
-
-UPSTREAM = _upstream_dir()
-SCENARIOS = sorted(p.stem for p in UPSTREAM.glob("*.npz")) if UPSTREAM else []
+UPSTREAM = Path(__file__).resolve().parent / "data" / "upstream"
+SCENARIOS = sorted(p.stem for p in UPSTREAM.glob("*.npz"))
 SINGLE = [s for s in SCENARIOS if not s.startswith("roundtrip_")]
 ROUNDTRIPS = [s for s in SCENARIOS if s.startswith("roundtrip_")]
 WIDTHS = ("i64", "i32")
@@ -57,10 +46,11 @@ def load(name):
     return _cache[name]
 
 
-def _need_data():
-    if UPSTREAM is None:
-        pytest.skip("upstream vectors not found: neither <repo>/../shared/testdata/upstream nor "
-                    "$KVC_UPSTREAM_DIR exists")
+def test_upstream_data_is_in_the_repository():
+    """The scenarios ship with the repository; a missing directory is a failure, not a skip (the
+    parametrised tests below then run on a "<missing>" placeholder and fail too)."""
+    assert (UPSTREAM / "FORMAT.md").is_file(), f"missing {UPSTREAM}/FORMAT.md"
+    assert len(SINGLE) >= 10 and ROUNDTRIPS, f"upstream scenarios missing under {UPSTREAM}: {SCENARIOS}"
 
 
 def _roundtrip_launch_ids():
@@ -71,7 +61,7 @@ def _roundtrip_launch_ids():
     return out
 
 
-ROUNDTRIP_LAUNCHES = _roundtrip_launch_ids() if UPSTREAM else []
+ROUNDTRIP_LAUNCHES = _roundtrip_launch_ids()
 
 
 # ---- conversion ---------------------------------------------------------------------------------
@@ -261,7 +251,6 @@ def replay_one(ops, d, p, kind, cx, what):
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("scenario", SINGLE or ["<missing>"])
 def test_upstream_scenario(ops, scenario, width):
-    _need_data()
     d, meta = load(scenario)
     cx = Ctx(width)
     with cx.scope():
@@ -279,7 +268,6 @@ def test_upstream_scenario(ops, scenario, width):
 @pytest.mark.parametrize("launch", ROUNDTRIP_LAUNCHES or [("<missing>", 0, "")],
                          ids=lambda L: f"{L[0]}-L{L[1]:03d}-{L[2]}")
 def test_roundtrip_launch(ops, launch, width):
-    _need_data()
     name, idx, op = launch
     d, _ = load(name)
     cx = Ctx(width)
@@ -310,7 +298,6 @@ def _plan_matches_launch(vp, wp, d, p, op):
 def test_roundtrip_chained(ops, scenario, width):
     """Run the whole serving sequence on our own state (canaries per buffer, one shared log, plans
     from our own plan launches) and compare every canary and the final log with upstream's."""
-    _need_data()
     d, meta = load(scenario)
     cx = Ctx(width)
     with cx.scope():

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from conftest import IMPLS
+from tests.support.impls import IMPLS
 
-SCRIPT = pathlib.Path(__file__).with_name("x64_scenario.py")
+SCRIPT = pathlib.Path(__file__).parent / "support" / "x64_scenario.py"
 
 
 def digest(impl, index_dtype, x64):

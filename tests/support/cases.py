@@ -2,7 +2,7 @@
 
 Used by ``tests/test_property.py``; importable by other tests and fuzzers::
 
-    from tests.cases import CONFIGS, make_case, run_reference, run_impl, compare
+    from tests.support.cases import CONFIGS, make_case, run_reference, run_impl, compare
 
 A **case** is a plain dict::
 
@@ -19,7 +19,6 @@ varies with the seed. ``make_case(op, config, seed)`` is deterministic.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +29,6 @@ import jax_kvcanary as kvc
 from jax_kvcanary import hashing, reference
 from jax_kvcanary.consts import RealKvHashMode
 
-ALL_IMPLS = ("reference", "ffi", "xla")
-IMPLS = tuple(i for i in os.environ.get("KVC_TEST_IMPLS", ",".join(ALL_IMPLS)).split(",") if i)
-COMPARED_IMPLS = tuple(i for i in IMPLS if i != "reference")  # compared against the reference
 OPS = ("plan", "write", "verify", "scatter_req_token_ids")
 
 I32_MIN, I32_MAX = -2**31, 2**31 - 1

@@ -1,6 +1,6 @@
-"""Stress cases for the CUDA launchers: the paths that tests/cases.py's small configs do not reach.
+"""Stress cases for the CUDA launchers: the paths that tests/support/cases.py's small configs do not reach.
 
-Same case format as ``tests/cases.py`` (``op, config, seed, args, kwargs, x64``), so its
+Same case format as ``tests/support/cases.py`` (``op, config, seed, args, kwargs, x64``), so its
 ``run_reference`` / ``run_impl`` / ``compare`` apply. Two scales: ``"emu"`` (for the CPU emulation's
 small-geometry build, tests/test_cuda_emu.py: tens to a few thousand entries) and ``"gpu"``
 (tests/test_gpu.py: multi-block grids with the production geometry, up to ~10^5..10^6 entries).
