@@ -9,7 +9,7 @@ Needs cmake + ninja + a C++ compiler + nanobind (the development build's require
 the tree is modified. Variants: ``as_is`` (control: must match the shipped module) and ``rkv_nodiv``
 (real-KV addressing skips its 64-bit divisions when page_size == 1). Variants measured here before and
 since adopted: the verify prefetch and the per-launch specialisation of the index width
-(cuda/cpu_loops.h). A variant whose patch no longer applies is reported as such and skipped.
+(cuda/cpu_launchers.h). A variant whose patch no longer applies is reported as such and skipped.
 """
 
 from __future__ import annotations

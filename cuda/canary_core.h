@@ -1,15 +1,16 @@
-// canary_core.h: ALL per-entry logic of jax_kvcanary, shared by the CPU handlers (g++) and the CUDA
+// canary_core.h: ALL per-entry logic of jax_kvcanary, shared by the CPU launchers (g++) and the CUDA
 // kernels (nvcc). Nothing here allocates, syncs or knows about XLA: the launchers own the loops,
-// the ring append protocol and the buffers. See ../../shared/KVCANARY_SPEC.md (sections cited below).
+// the ring append protocol and the buffers. Section numbers (§) refer to docs/format.md.
 //
-// Every integer constant and enum mirrors jax_kvcanary/consts.py (tests/test_consts.py compares).
+// Every integer constant and enum mirrors src/jax_kvcanary/consts.py (tests/test_consts.py compares).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
 // Every core function is inlined into its launcher on both sides (as __forceinline__ does on the
-// device): the launchers specialise the per-launch flags of the argument structs (cpu_loops.h), which
+// device): the launchers specialise the per-launch flags of the argument structs (cpu_launchers.h), which
 // only folds away when the per-entry code is inlined into the loop.
 #if defined(__CUDACC__)
 #define KVC_HD __host__ __device__ __forceinline__
@@ -556,6 +557,31 @@ KVC_HD PlanEntry plan_entry(const PlanArgs& a, const PlanRow& row, int64_t r, in
   e.position = pos;
   return e;
 }
+
+// ---- launch views: the buffers of one launch, as both launchers (CPU, CUDA) take them ------------
+// The violation log of a verify / write launch (spec §3.3).
+struct LogView {
+  uint8_t* ring;  // [capacity, 64]
+  int64_t capacity;
+  int32_t* write_index;      // [1]
+  uint8_t* kernel_counters;  // [num_tags, 8]
+  uint8_t* slot_counters;    // [num_tags, 8]
+};
+
+// The outputs of a plan launch (spec §9.2), all int32.
+struct PlanOut {
+  int32_t *slots, *tokens, *positions, *prevs;  // [vcap]
+  int32_t *num_valid, *enable;                  // [1]
+  int32_t *offsets;                             // [wcap + 1]
+  int32_t *seeds;                               // [wcap]
+  int32_t *num_valid_reqs;                      // [1]
+};
+
+// Scratch memory of one launch (CUDA: the handler's last result; the CPU launchers take none).
+struct ScratchView {
+  void* data;
+  size_t bytes;
+};
 
 // ---- scatter_req_token_ids: one batch row (spec §9.5) ------------------------------------------
 // Number of leading ids of row r to copy (0 = skip the row).

@@ -39,7 +39,8 @@ find_package(CUDAToolkit REQUIRED)
 message(STATUS "jax_kvcanary: building _kvcanary_cuda with ${CMAKE_CUDA_COMPILER} "
                "(${CMAKE_CUDA_COMPILER_VERSION}) for CUDA architectures ${CMAKE_CUDA_ARCHITECTURES}")
 
-# The kernels and handlers: a static library of position-independent objects, linked into the module.
+# The kernels and their launchers (no XLA types): a static library of position-independent objects,
+# linked into the module with the FFI handlers (host code, compiled by the C++ compiler).
 add_library(kvcanary_cuda_kernels STATIC cuda/cuda_kernels.cu)
 set_target_properties(kvcanary_cuda_kernels PROPERTIES
   CUDA_STANDARD 17
@@ -47,7 +48,6 @@ set_target_properties(kvcanary_cuda_kernels PROPERTIES
   POSITION_INDEPENDENT_CODE ON
   CUDA_VISIBILITY_PRESET hidden
   CUDA_RUNTIME_LIBRARY Static)
-target_include_directories(kvcanary_cuda_kernels SYSTEM PRIVATE ${XLA_DIR})
 target_include_directories(kvcanary_cuda_kernels PRIVATE cuda)
 target_compile_options(kvcanary_cuda_kernels PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:-O3 -Xcompiler=-Wall,-Wextra -Xptxas=-warn-spills,-warn-lmem-usage>)
@@ -56,8 +56,9 @@ if(JAX_KVCANARY_WERROR)
     $<$<COMPILE_LANGUAGE:CUDA>:--Werror=all-warnings -Xcompiler=-Werror>)
 endif()
 
-nanobind_add_module(_kvcanary_cuda NB_STATIC cuda/cuda_module.cc)
+nanobind_add_module(_kvcanary_cuda NB_STATIC cuda/cuda_module.cc cuda/cuda_handlers.cc)
 target_include_directories(_kvcanary_cuda SYSTEM PRIVATE ${XLA_DIR})
+target_include_directories(_kvcanary_cuda PRIVATE cuda)
 target_compile_options(_kvcanary_cuda PRIVATE -Wall -Wextra -O3)
 if(JAX_KVCANARY_WERROR)
   target_compile_options(_kvcanary_cuda PRIVATE -Werror)

@@ -1,53 +1,30 @@
-// cuda_kernels.cu: XLA FFI handlers for the CUDA platform. Same target names, arguments, results and
-// attributes as the CPU handlers (ffi_common.h bindings); every per-entry / per-request / per-row
-// computation is a canary_core.h function. This file holds only launch geometry, block-level
-// scans, the conflict detector and the deterministic ring append.
+// cuda_kernels.cu: the CUDA launchers of the four ops (declared in cuda_kernels.h). Every
+// per-entry / per-request / per-row computation is a canary_core.h function; this file holds only
+// launch geometry, block-level scans, the write conflict detector and the deterministic ring append.
+// No XLA types: the CUDA FFI handlers (cuda_handlers.cc) call the *_enqueue functions, and so does
+// the CPU emulation harness (tests/cuda_emu), which compiles this file with g++.
 //
-// Semantics are those of the sequential CPU launchers (cpu_loops.h), byte for byte:
+// Semantics are those of the sequential CPU launchers (cpu_launchers.h), byte for byte:
 //   * ring rows in (request, entry) order (spec §5.2): count pass -> scan -> write pass at base+prefix;
 //   * write launches behave as if requests ran one after another (spec §7.4): a conflict detector
 //     (hash set of the target slots) picks, on the device, either the parallel fast path or a
 //     single-block path that processes the requests in order;
-//   * no host sync, no host read of device data, no device allocation: scratch is an extra result
-//     buffer of each call, which XLA allocates with the call's other buffers (so it stays valid when
-//     the call is recorded into a command buffer and replayed), sized by *_scratch_bytes() below;
-//     every launch checked with cudaGetLastError().
+//   * no host sync, no host read of device data, no device allocation: scratch is handed in (the FFI
+//     handler's last result, which XLA allocates with the call's other buffers, so it stays valid when
+//     the call is recorded into a command buffer and replayed), sized by *_scratch_bytes() below.
+#include "cuda_kernels.h"
+
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <optional>
-#include <string>
 
 #include "canary_core.h"
-#include "cuda_scratch.h"
-#include "ffi_common.h"
 
-// Kernel launch. A CPU test harness that emulates the kernels (tests/cuda_emu) defines its own, and
-// may shrink the launch geometry below (a multiple of 32 threads per block) to reach the multi-tile
-// and grid-stride paths with small inputs. The defaults are the production geometry.
+#include "cuda_geometry.h"
+
+// Kernel launch; the CPU emulation harness (tests/cuda_emu/cuda_runtime.h) defines its own.
 #ifndef KVC_LAUNCH
 #define KVC_LAUNCH(kernel, grid, block, stream, ...) kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
-#endif
-#ifndef KVC_VERIFY_THREADS
-#define KVC_VERIFY_THREADS 256      // verify: threads per block (one entry per thread per tile)
-#endif
-#ifndef KVC_VERIFY_MAX_BLOCKS
-#define KVC_VERIFY_MAX_BLOCKS 1024  // verify: at most this many blocks; more entries -> longer chunks
-#endif
-#ifndef KVC_WRITE_THREADS
-#define KVC_WRITE_THREADS 128       // write: threads per request block = entries per tile
-#endif
-#ifndef KVC_ONE_BLOCK_THREADS
-#define KVC_ONE_BLOCK_THREADS 1024  // the single-block scan kernels (write prep/scan, plan rows)
-#endif
-#ifndef KVC_PLAN_THREADS
-#define KVC_PLAN_THREADS 256        // plan entries: threads per block
-#endif
-#ifndef KVC_SCATTER_THREADS
-#define KVC_SCATTER_THREADS 256     // scatter: pool columns per block
-#endif
-#ifndef KVC_MAX_GRID_BLOCKS
-#define KVC_MAX_GRID_BLOCKS 65535   // grid cap of the request / entry / column grids (grid-stride)
 #endif
 
 namespace kvcanary {
@@ -123,11 +100,7 @@ struct VerifyLaunch {
   int64_t capacity;  // V
   const int32_t* num_valid;
   const int32_t* enable;
-  uint8_t* ring;
-  int64_t ring_cap;
-  int32_t* write_index;
-  uint8_t* kernel_counters;
-  uint8_t* slot_counters;
+  LogView log;
   int64_t chunk;        // entries per block, a multiple of kVerifyThreads
   int64_t* block_rows;  // scratch [gridDim.x]
   int64_t* base;        // scratch [1]: write_index at launch start
@@ -152,7 +125,7 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_count_kernel(const __gr
   block_scan_excl<kVerifyThreads>(n, OpSum{}, 0, &total, smem);
   if (threadIdx.x == 0) {
     L.block_rows[blockIdx.x] = total;
-    if (blockIdx.x == 0) *L.base = L.write_index[0];
+    if (blockIdx.x == 0) *L.base = L.log.write_index[0];
   }
 }
 
@@ -169,9 +142,9 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const __gri
   block_scan_excl<kVerifyThreads>(part, OpSum{}, 0, &sum, smem);
   const int64_t base = *L.base;
   if (b == 0 && threadIdx.x == 0) {
-    counter_add(L.kernel_counters, L.a.tag, 1);
-    if (L.enable[0] != 0) counter_add(L.slot_counters, L.a.tag, verify_active_dev(L));
-    if (sum > 0) L.write_index[0] = next_write_index(base, sum);
+    counter_add(L.log.kernel_counters, L.a.tag, 1);
+    if (L.enable[0] != 0) counter_add(L.log.slot_counters, L.a.tag, verify_active_dev(L));
+    if (sum > 0) L.log.write_index[0] = next_write_index(base, sum);
   }
   if (mine == 0) return;
   const int64_t active = verify_active_dev(L);
@@ -189,7 +162,7 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const __gri
     int64_t tile;
     const int64_t excl = block_scan_excl<kVerifyThreads>(n, OpSum{}, 0, &tile, smem);
     if (n > 0) {
-      RingAppender out{L.ring, L.ring_cap, add_wrap(base, add_wrap(running, excl))};
+      RingAppender out{L.log.ring, L.log.capacity, add_wrap(base, add_wrap(running, excl))};
       verify_entry(L.a, e, out);
     }
     running = add_wrap(running, tile);
@@ -231,11 +204,7 @@ struct WriteLaunch {
   IndexView offsets;  // [C + 1]
   int64_t C, N;
   const int32_t* num_valid_reqs;
-  uint8_t* ring;
-  int64_t ring_cap;
-  int32_t* write_index;
-  uint8_t* kernel_counters;
-  uint8_t* slot_counters;
+  LogView log;
   // scratch
   int64_t* o;            // [C + 1]
   int64_t* req_rows;     // [C]
@@ -324,7 +293,7 @@ __device__ RequestTotals write_request_block(const WriteLaunch& L, int64_t r, in
   if (t == 0) {
     int64_t seed;
     if (kEmit) {
-      RingAppender out{L.ring, L.ring_cap, add_wrap(base, row_start)};
+      RingAppender out{L.log.ring, L.log.capacity, add_wrap(base, row_start)};
       seed = write_seed(a, r, out);
       sh.rows = out.count;
       sh.running = a.canary.successor_hash(seed);
@@ -398,7 +367,7 @@ __device__ RequestTotals write_request_block(const WriteLaunch& L, int64_t r, in
       __syncthreads();
       const uint64_t chain = live ? sh.chain[t] : 0;
       if (n > 0) {
-        RingAppender out{L.ring, L.ring_cap, add_wrap(base, add_wrap(row_start, add_wrap(sh.rows, excl)))};
+        RingAppender out{L.log.ring, L.log.capacity, add_wrap(base, add_wrap(row_start, add_wrap(sh.rows, excl)))};
         write_entry_rows(a, i, slot, tok, pos, k_oob, chain, do_pos, expected, out);
       }
       if (live && slot < S) {
@@ -464,13 +433,13 @@ __global__ void __launch_bounds__(kOneBlockThreads) write_scan_kernel(const __gr
   }
   const int any_seed_conflict = __syncthreads_or(seed_conflict);
   if (threadIdx.x == 0) {
-    counter_add(L.kernel_counters, a.tag, 1);
-    counter_add(L.slot_counters, a.tag, written);
-    const int64_t base = L.write_index[0];
+    counter_add(L.log.kernel_counters, a.tag, 1);
+    counter_add(L.log.slot_counters, a.tag, written);
+    const int64_t base = L.log.write_index[0];
     L.ctrl->base = base;
     const unsigned int conflict = L.ctrl->conflict | (any_seed_conflict ? 1u : 0u);
     L.ctrl->conflict = conflict;
-    if (!conflict && rows_carry > 0) L.write_index[0] = next_write_index(base, rows_carry);
+    if (!conflict && rows_carry > 0) L.log.write_index[0] = next_write_index(base, rows_carry);
   }
 }
 
@@ -491,7 +460,7 @@ __global__ void __launch_bounds__(kWriteThreads) write_main_kernel(const __grid_
     const int64_t row_start = in_order ? rows : L.row_start[r];
     rows = add_wrap(rows, write_request_block<true>(L, r, row_start, chain_on, in_order, sh).rows);
   }
-  if (in_order && threadIdx.x == 0 && rows > 0) L.write_index[0] = next_write_index(L.ctrl->base, rows);
+  if (in_order && threadIdx.x == 0 && rows > 0) L.log.write_index[0] = next_write_index(L.ctrl->base, rows);
 }
 
 // ================================================================================================
@@ -506,7 +475,7 @@ constexpr int kPlanThreads = KVC_PLAN_THREADS;
 struct PlanLaunch {
   PlanArgs a;
   int64_t bs, vcap, wcap;
-  int32_t *slots, *tokens, *positions, *prevs, *num_valid, *enable, *offsets, *seeds, *num_valid_reqs;
+  PlanOut out;
   PlanRow* rows;    // scratch [max(bs, 1)]
   int64_t* vstart;  // scratch [bs + 1]: min(sum of vlen[0..r), vcap)
   int64_t* filled;  // scratch [1]: entries to fill (0 when disabled)
@@ -523,7 +492,7 @@ __global__ void __launch_bounds__(kOneBlockThreads) plan_rows_kernel(const __gri
     if (in) {
       row = plan_row(L.a, r);
       L.rows[r] = row;
-      L.seeds[r] = static_cast<int32_t>(row.seed);
+      L.out.seeds[r] = static_cast<int32_t>(row.seed);
     }
     const int64_t vlen = in ? row.vlen : 0;
     const int64_t wlen = in ? row.wlen : 0;
@@ -532,7 +501,7 @@ __global__ void __launch_bounds__(kOneBlockThreads) plan_rows_kernel(const __gri
     block_scan_excl<kOneBlockThreads>(vlen, OpSum{}, 0, &tile_total, smem);
     const int64_t es = block_scan_excl<kOneBlockThreads>(imin(vlen, L.vcap), sat, 0, &tile_start, smem);
     if (in) {
-      L.offsets[r + 1] = static_cast<int32_t>(add_wrap(carry_w, add_wrap(ew, wlen)));
+      L.out.offsets[r + 1] = static_cast<int32_t>(add_wrap(carry_w, add_wrap(ew, wlen)));
       L.vstart[r] = sat(carry_start, es);
     }
     carry_w = add_wrap(carry_w, tile_w);
@@ -545,10 +514,10 @@ __global__ void __launch_bounds__(kOneBlockThreads) plan_rows_kernel(const __gri
     L.vstart[L.bs] = carry_start;
     // Entries [0, total) are filled when enabled (spec §9.3); total <= vcap then.
     *L.filled = enable ? imax(total, 0) : 0;
-    L.offsets[0] = 0;
-    L.num_valid[0] = static_cast<int32_t>(total < L.vcap ? total : L.vcap);
-    L.enable[0] = enable ? 1 : 0;
-    L.num_valid_reqs[0] = static_cast<int32_t>(L.bs);
+    L.out.offsets[0] = 0;
+    L.out.num_valid[0] = static_cast<int32_t>(total < L.vcap ? total : L.vcap);
+    L.out.enable[0] = enable ? 1 : 0;
+    L.out.num_valid_reqs[0] = static_cast<int32_t>(L.bs);
   }
 }
 
@@ -572,14 +541,14 @@ __global__ void __launch_bounds__(kPlanThreads) plan_entries_kernel(const __grid
       pos = static_cast<int32_t>(e.position);
       prev = static_cast<int32_t>(e.prev);
     }
-    L.slots[f] = slot;
-    L.tokens[f] = tok;
-    L.positions[f] = pos;
-    L.prevs[f] = prev;
+    L.out.slots[f] = slot;
+    L.out.tokens[f] = tok;
+    L.out.positions[f] = pos;
+    L.out.prevs[f] = prev;
   }
   for (int64_t k = first; k <= L.wcap; k += stride) {  // zero tails of the write plan
-    if (k > L.bs) L.offsets[k] = 0;
-    if (k >= L.bs && k < L.wcap) L.seeds[k] = 0;
+    if (k > L.bs) L.out.offsets[k] = 0;
+    if (k >= L.bs && k < L.wcap) L.out.seeds[k] = 0;
   }
 }
 
@@ -620,28 +589,12 @@ __global__ void __launch_bounds__(kScatterThreads)
 
 // ================================================================================================
 // Host side. The *_layout functions size and place the scratch of one launch; the *_enqueue functions
-// carve it and issue the stream operations; the FFI handlers below only turn buffers into the launch
-// structs. Nothing on the host reads device data. `Alloc` is `std::optional<void*>(size_t bytes)`:
-// the handler's scratch result (a CPU test harness that emulates the kernels passes its own).
+// carve it and issue the stream operations. Nothing on the host reads device data.
 // ================================================================================================
 int64_t blocks_for(int64_t n, int64_t per_block, int64_t max_blocks) {
   int64_t b = (n + per_block - 1) / per_block;
   if (b < 1) b = 1;
   return b < max_blocks ? b : max_blocks;
-}
-
-ffi::Error cuda_error(const char* what, cudaError_t err) {
-  return ffi::Error::Internal(std::string("kv-canary: CUDA ") + what + " failed: " + cudaGetErrorName(err) + ": " +
-                              cudaGetErrorString(err));
-}
-
-ffi::Error check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? ffi::Error::Success() : cuda_error(what, err);
-}
-
-ffi::Error no_scratch(const char* op) {
-  return ffi::Error::Internal(std::string("kv-canary: CUDA ") + op + " could not get scratch memory");
 }
 
 // One scratch allocation carved into 256-byte aligned pieces.
@@ -659,8 +612,8 @@ class ScratchCarver {
 };
 
 template <typename T>
-T* carve_at(void* base, size_t offset) {
-  return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
+T* carve_at(const ScratchView& s, size_t offset) {
+  return reinterpret_cast<T*>(static_cast<char*>(s.data) + offset);
 }
 
 // VERIFY geometry and scratch: `chunk` entries per block over `grid` blocks; per-block row counts and
@@ -718,232 +671,6 @@ PlanLayout plan_layout(int64_t bs) {
   return p;
 }
 
-// VERIFY: L.a, capacity, num_valid, enable and the log pointers set; fills chunk and the scratch.
-template <class Alloc>
-ffi::Error verify_enqueue(VerifyLaunch L, Alloc&& alloc, cudaStream_t stream) {
-  const VerifyLayout v = verify_layout(L.capacity);
-  L.chunk = v.chunk;
-  const std::optional<void*> mem = alloc(v.bytes);
-  if (!mem.has_value()) return no_scratch("verify");
-  L.block_rows = carve_at<int64_t>(*mem, v.off_rows);
-  L.base = carve_at<int64_t>(*mem, v.off_base);
-  KVC_LAUNCH(verify_count_kernel, static_cast<unsigned>(v.grid), kVerifyThreads, stream, L);
-  KVC_LAUNCH(verify_emit_kernel, static_cast<unsigned>(v.grid), kVerifyThreads, stream, L);
-  return check_launch("verify kernel launch");
-}
-
-// WRITE: everything but the scratch pointers and table_mask set.
-template <class Alloc>
-ffi::Error write_enqueue(WriteLaunch L, Alloc&& alloc, cudaStream_t stream) {
-  const WriteLayout w = write_layout(L.C, L.N);
-  L.table_mask = w.table_size - 1;
-  const int64_t C = L.C;
-  const std::optional<void*> mem = alloc(w.bytes);
-  if (!mem.has_value()) return no_scratch("write");
-  L.ctrl = carve_at<WriteCtrl>(*mem, w.off_ctrl);
-  L.o = carve_at<int64_t>(*mem, w.off_o);
-  L.req_rows = carve_at<int64_t>(*mem, w.off_rows);
-  L.req_written = carve_at<int64_t>(*mem, w.off_written);
-  L.row_start = carve_at<int64_t>(*mem, w.off_start);
-  L.table = carve_at<unsigned long long>(*mem, w.off_table);
-  const cudaError_t err = cudaMemsetAsync(L.table, 0xFF, sizeof(unsigned long long) * w.table_size, stream);
-  if (err != cudaSuccess) return cuda_error("cudaMemsetAsync", err);
-  const unsigned req_grid = static_cast<unsigned>(blocks_for(C, 1, kMaxGridBlocks));
-  KVC_LAUNCH(write_prep_kernel, 1, kOneBlockThreads, stream, L);
-  KVC_LAUNCH(write_count_kernel, req_grid, kWriteThreads, stream, L);
-  KVC_LAUNCH(write_scan_kernel, 1, kOneBlockThreads, stream, L);
-  KVC_LAUNCH(write_main_kernel, req_grid, kWriteThreads, stream, L);
-  return check_launch("write kernel launch");
-}
-
-// PLAN: a, bs (<= wcap), vcap, wcap and the output pointers set.
-template <class Alloc>
-ffi::Error plan_enqueue(PlanLaunch L, Alloc&& alloc, cudaStream_t stream) {
-  const PlanLayout p = plan_layout(L.bs);
-  const std::optional<void*> mem = alloc(p.bytes);
-  if (!mem.has_value()) return no_scratch("plan");
-  L.rows = carve_at<PlanRow>(*mem, p.off_rows);
-  L.vstart = carve_at<int64_t>(*mem, p.off_vstart);
-  L.filled = carve_at<int64_t>(*mem, p.off_filled);
-  const int64_t work = L.vcap > L.wcap + 1 ? L.vcap : L.wcap + 1;
-  const unsigned grid = static_cast<unsigned>(blocks_for(work, kPlanThreads, kMaxGridBlocks));
-  KVC_LAUNCH(plan_rows_kernel, 1, kOneBlockThreads, stream, L);
-  KVC_LAUNCH(plan_entries_kernel, grid, kPlanThreads, stream, L);
-  return check_launch("plan kernel launch");
-}
-
-// SCATTER: no scratch.
-template <typename T>
-ffi::Error scatter_enqueue(T* pool, int64_t Rp, int64_t Cp, IndexView flat, int64_t total, IndexView offsets,
-                           IndexView rpi, int64_t bs, cudaStream_t stream) {
-  if (Rp <= 0 || Cp <= 0 || bs <= 0) return ffi::Error::Success();  // nothing is addressed
-  const unsigned grid = static_cast<unsigned>(blocks_for(Cp, kScatterThreads, kMaxGridBlocks));
-  KVC_LAUNCH(scatter_kernel<T>, grid, kScatterThreads, stream, pool, Rp, Cp, flat, total, offsets, rpi, bs);
-  return check_launch("scatter kernel launch");
-}
-
-// ---- FFI handlers ------------------------------------------------------------------------------
-// Results are aliased to their inputs; copy only if XLA ever hands us distinct buffers.
-cudaError_t alias_in(cudaStream_t stream, const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
-  if (out->untyped_data() == in.untyped_data() || in.size_bytes() != out->size_bytes() || in.size_bytes() == 0)
-    return cudaSuccess;
-  return cudaMemcpyAsync(out->untyped_data(), in.untyped_data(), in.size_bytes(), cudaMemcpyDeviceToDevice, stream);
-}
-
-// The device core accesses 64-bit fields with 8-byte loads (canary_core.h). XLA buffers are at least
-// 16-byte aligned, so this never fires; it turns a would-be misaligned-address fault into an error.
-bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
-bool log_and_canary_aligned(const CanaryView& c, const uint8_t* ring, const uint8_t* kc, const uint8_t* sc,
-                            const RealKvSources& s) {
-  bool ok = aligned8(c.data) && c.stride % 8 == 0 && aligned8(ring) && aligned8(kc) && aligned8(sc);
-  for (int k = 0; k < s.count; ++k) ok = ok && aligned8(s.src[k].data);
-  return ok;
-}
-ffi::Error misaligned() {
-  return ffi::Error::Internal("kv-canary: CUDA handler got a buffer that is not 8-byte aligned");
-}
-
-// The log of a verify / write call: its input buffers and the results aliased to them.
-struct LogArgs {
-  const ffi::AnyBuffer &ring, &write_index, &kernel_counters, &slot_counters;
-};
-struct LogResults {
-  ffi::Result<ffi::AnyBuffer> &ring, &write_index, &kernel_counters, &slot_counters;
-};
-
-// Points launch L (VerifyLaunch or WriteLaunch) at the log results, after copying the inputs into
-// them should XLA ever hand distinct buffers.
-template <class Launch>
-cudaError_t bind_log(cudaStream_t stream, const LogArgs& in, const LogResults& out, Launch& L) {
-  cudaError_t err = cudaSuccess;
-  if ((err = alias_in(stream, in.ring, out.ring)) != cudaSuccess ||
-      (err = alias_in(stream, in.write_index, out.write_index)) != cudaSuccess ||
-      (err = alias_in(stream, in.kernel_counters, out.kernel_counters)) != cudaSuccess ||
-      (err = alias_in(stream, in.slot_counters, out.slot_counters)) != cudaSuccess)
-    return err;
-  L.ring = static_cast<uint8_t*>(out.ring->untyped_data());
-  L.ring_cap = dim_or_zero(*out.ring, 0);
-  L.write_index = static_cast<int32_t*>(out.write_index->untyped_data());
-  L.kernel_counters = static_cast<uint8_t*>(out.kernel_counters->untyped_data());
-  L.slot_counters = static_cast<uint8_t*>(out.slot_counters->untyped_data());
-  return cudaSuccess;
-}
-
-// The handler's scratch result, sized in Python by the same *_layout function (scratch_bytes()).
-struct ResultScratch {
-  ffi::Result<ffi::AnyBuffer>& buf;
-  std::optional<void*> operator()(size_t bytes) {
-    if (bytes > buf->size_bytes()) return std::nullopt;
-    return buf->untyped_data();
-  }
-};
-
-ffi::Error VerifyCuda(cudaStream_t stream, ffi::AnyBuffer canary, ffi::AnyBuffer ring,
-                      ffi::AnyBuffer write_index, ffi::AnyBuffer kernel_counters, ffi::AnyBuffer slot_counters,
-                      ffi::AnyBuffer slots, ffi::AnyBuffer tokens, ffi::AnyBuffer positions, ffi::AnyBuffer prevs,
-                      ffi::AnyBuffer num_valid, ffi::AnyBuffer enable, ffi::RemainingArgs srcs,
-                      ffi::Result<ffi::AnyBuffer> ring_out, ffi::Result<ffi::AnyBuffer> write_index_out,
-                      ffi::Result<ffi::AnyBuffer> kernel_counters_out, ffi::Result<ffi::AnyBuffer> slot_counters_out,
-                      ffi::Result<ffi::AnyBuffer> scratch, int64_t tag, bool check_token, int32_t mode, ffi::Span<const int64_t> page_size,
-                      ffi::Span<const int64_t> bytes_per_token, ffi::Span<const int64_t> read_bytes) {
-  VerifyLaunch L{};
-  const cudaError_t err = bind_log(stream, {ring, write_index, kernel_counters, slot_counters},
-                                   {ring_out, write_index_out, kernel_counters_out, slot_counters_out}, L);
-  if (err != cudaSuccess) return cuda_error("cudaMemcpyAsync", err);
-  L.a.canary = canary_view(canary);
-  L.a.slots = index_view(slots);
-  L.a.tokens = index_view(tokens);
-  L.a.positions = index_view(positions);
-  L.a.prevs = index_view(prevs);
-  L.a.check_token = check_token;
-  L.a.sources = real_kv_sources(srcs, mode, page_size, bytes_per_token, read_bytes);
-  L.a.tag = tag;
-  L.capacity = dim_or_zero(slots, 0);
-  L.num_valid = static_cast<const int32_t*>(num_valid.untyped_data());
-  L.enable = static_cast<const int32_t*>(enable.untyped_data());
-  if (!log_and_canary_aligned(L.a.canary, L.ring, L.kernel_counters, L.slot_counters, L.a.sources))
-    return misaligned();
-  return verify_enqueue(L, ResultScratch{scratch}, stream);
-}
-
-ffi::Error WriteCuda(cudaStream_t stream, ffi::AnyBuffer canary, ffi::AnyBuffer ring,
-                     ffi::AnyBuffer write_index, ffi::AnyBuffer kernel_counters, ffi::AnyBuffer slot_counters,
-                     ffi::AnyBuffer chain_flag, ffi::AnyBuffer offsets, ffi::AnyBuffer seeds,
-                     ffi::AnyBuffer num_valid_reqs, ffi::AnyBuffer input_ids, ffi::AnyBuffer positions,
-                     ffi::AnyBuffer locs, ffi::AnyBuffer exp_tokens, ffi::AnyBuffer exp_positions,
-                     ffi::RemainingArgs srcs, ffi::Result<ffi::AnyBuffer> canary_out,
-                     ffi::Result<ffi::AnyBuffer> ring_out, ffi::Result<ffi::AnyBuffer> write_index_out,
-                     ffi::Result<ffi::AnyBuffer> kernel_counters_out, ffi::Result<ffi::AnyBuffer> slot_counters_out,
-                     ffi::Result<ffi::AnyBuffer> scratch, int64_t tag, bool input_assert, int32_t mode,
-                     ffi::Span<const int64_t> page_size, ffi::Span<const int64_t> bytes_per_token,
-                     ffi::Span<const int64_t> read_bytes) {
-  WriteLaunch L{};
-  cudaError_t err = alias_in(stream, canary, canary_out);
-  if (err == cudaSuccess)
-    err = bind_log(stream, {ring, write_index, kernel_counters, slot_counters},
-                   {ring_out, write_index_out, kernel_counters_out, slot_counters_out}, L);
-  if (err != cudaSuccess) return cuda_error("cudaMemcpyAsync", err);
-  const int64_t n_tokens = dim_or_zero(input_ids, 0);
-  L.a.canary = canary_view(*canary_out);
-  L.a.seeds = index_view(seeds);
-  L.a.input_ids = index_view(input_ids);
-  L.a.positions = index_view(positions);
-  L.a.locs = index_view(locs);
-  L.a.exp_tokens = index_view(exp_tokens);
-  L.a.exp_positions = index_view(exp_positions);
-  L.a.input_assert = input_assert_usable(input_assert, exp_tokens, exp_positions, n_tokens);
-  L.a.chain_assert = false;  // a device value here: chain_flag
-  L.a.sources = real_kv_sources(srcs, mode, page_size, bytes_per_token, read_bytes);
-  L.a.tag = tag;
-  L.chain_flag = static_cast<const int32_t*>(chain_flag.untyped_data());
-  L.offsets = index_view(offsets);
-  L.C = dim_or_zero(seeds, 0);
-  L.N = n_tokens;
-  L.num_valid_reqs = static_cast<const int32_t*>(num_valid_reqs.untyped_data());
-  if (!log_and_canary_aligned(L.a.canary, L.ring, L.kernel_counters, L.slot_counters, L.a.sources))
-    return misaligned();
-  return write_enqueue(L, ResultScratch{scratch}, stream);
-}
-
-ffi::Error PlanCuda(cudaStream_t stream, ffi::AnyBuffer rpi, ffi::AnyBuffer prefix,
-                    ffi::AnyBuffer extend, ffi::AnyBuffer r2t, ffi::AnyBuffer lut, ffi::AnyBuffer pool,
-                    ffi::AnyBuffer valid_lens, ffi::Result<ffi::Buffer<ffi::S32>> v_slots,
-                    ffi::Result<ffi::Buffer<ffi::S32>> v_tokens, ffi::Result<ffi::Buffer<ffi::S32>> v_positions,
-                    ffi::Result<ffi::Buffer<ffi::S32>> v_prevs, ffi::Result<ffi::Buffer<ffi::S32>> v_num_valid,
-                    ffi::Result<ffi::Buffer<ffi::S32>> v_enable, ffi::Result<ffi::Buffer<ffi::S32>> w_offsets,
-                    ffi::Result<ffi::Buffer<ffi::S32>> w_seeds, ffi::Result<ffi::Buffer<ffi::S32>> w_num_valid_reqs,
-                    ffi::Result<ffi::AnyBuffer> scratch, int64_t window, int64_t token_offset, bool has_lut, bool has_pool) {
-  PlanLaunch L{};
-  L.a = plan_args(rpi, prefix, extend, r2t, lut, pool, valid_lens, window, token_offset, has_lut, has_pool);
-  L.vcap = static_cast<int64_t>(v_slots->element_count());
-  L.wcap = static_cast<int64_t>(w_seeds->element_count());
-  L.bs = dim_or_zero(rpi, 0);
-  if (L.bs > L.wcap) L.bs = L.wcap;  // bs <= wcap is checked in Python; never index past the outputs
-  L.slots = v_slots->typed_data();
-  L.tokens = v_tokens->typed_data();
-  L.positions = v_positions->typed_data();
-  L.prevs = v_prevs->typed_data();
-  L.num_valid = v_num_valid->typed_data();
-  L.enable = v_enable->typed_data();
-  L.offsets = w_offsets->typed_data();
-  L.seeds = w_seeds->typed_data();
-  L.num_valid_reqs = w_num_valid_reqs->typed_data();
-  return plan_enqueue(L, ResultScratch{scratch}, stream);
-}
-
-ffi::Error ScatterCuda(cudaStream_t stream, ffi::AnyBuffer pool, ffi::AnyBuffer flat_ids, ffi::AnyBuffer offsets,
-                       ffi::AnyBuffer rpi, ffi::Result<ffi::AnyBuffer> pool_out) {
-  const cudaError_t err = alias_in(stream, pool, pool_out);
-  if (err != cudaSuccess) return cuda_error("cudaMemcpyAsync", err);
-  const int64_t Rp = dim_or_zero(pool, 0), Cp = dim_or_zero(pool, 1);
-  const int64_t bs = dim_or_zero(rpi, 0), total = dim_or_zero(flat_ids, 0);
-  if (pool.element_type() == ffi::DataType::S64)
-    return scatter_enqueue(static_cast<int64_t*>(pool_out->untyped_data()), Rp, Cp, index_view(flat_ids), total,
-                           index_view(offsets), index_view(rpi), bs, stream);
-  return scatter_enqueue(static_cast<int32_t*>(pool_out->untyped_data()), Rp, Cp, index_view(flat_ids), total,
-                         index_view(offsets), index_view(rpi), bs, stream);
-}
-
 }  // namespace
 
 int64_t verify_scratch_bytes(int64_t capacity) { return static_cast<int64_t>(verify_layout(capacity).bytes); }
@@ -952,17 +679,86 @@ int64_t write_scratch_bytes(int64_t write_req_capacity, int64_t num_tokens) {
 }
 int64_t plan_scratch_bytes(int64_t batch_size) { return static_cast<int64_t>(plan_layout(batch_size).bytes); }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcanary_verify_cuda, VerifyCuda,
-                              KVCANARY_VERIFY_BINDING(.Ctx<ffi::PlatformStream<cudaStream_t>>()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcanary_write_cuda, WriteCuda,
-                              KVCANARY_WRITE_BINDING(.Ctx<ffi::PlatformStream<cudaStream_t>>()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcanary_plan_cuda, PlanCuda,
-                              KVCANARY_PLAN_BINDING(.Ctx<ffi::PlatformStream<cudaStream_t>>()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcanary_scatter_cuda, ScatterCuda,
-                              KVCANARY_SCATTER_BINDING(.Ctx<ffi::PlatformStream<cudaStream_t>>()),
-                              {ffi::Traits::kCmdBufferCompatible});
+cudaError_t verify_enqueue(const VerifyArgs& a, int64_t capacity, const int32_t* num_valid, const int32_t* enable,
+                           const LogView& log, ScratchView scratch, cudaStream_t stream) {
+  const VerifyLayout v = verify_layout(capacity);
+  if (scratch.bytes < v.bytes) return cudaErrorInvalidValue;
+  VerifyLaunch L{};
+  L.a = a;
+  L.capacity = capacity;
+  L.num_valid = num_valid;
+  L.enable = enable;
+  L.log = log;
+  L.chunk = v.chunk;
+  L.block_rows = carve_at<int64_t>(scratch, v.off_rows);
+  L.base = carve_at<int64_t>(scratch, v.off_base);
+  KVC_LAUNCH(verify_count_kernel, static_cast<unsigned>(v.grid), kVerifyThreads, stream, L);
+  KVC_LAUNCH(verify_emit_kernel, static_cast<unsigned>(v.grid), kVerifyThreads, stream, L);
+  return cudaGetLastError();
+}
+
+cudaError_t write_enqueue(const WriteArgs& a, IndexView offsets, int64_t capacity, int64_t num_tokens,
+                          const int32_t* num_valid_reqs, const int32_t* chain_flag, const LogView& log,
+                          ScratchView scratch, cudaStream_t stream) {
+  const WriteLayout w = write_layout(capacity, num_tokens);
+  if (scratch.bytes < w.bytes) return cudaErrorInvalidValue;
+  WriteLaunch L{};
+  L.a = a;
+  L.chain_flag = chain_flag;
+  L.offsets = offsets;
+  L.C = capacity;
+  L.N = num_tokens;
+  L.num_valid_reqs = num_valid_reqs;
+  L.log = log;
+  L.table_mask = w.table_size - 1;
+  L.ctrl = carve_at<WriteCtrl>(scratch, w.off_ctrl);
+  L.o = carve_at<int64_t>(scratch, w.off_o);
+  L.req_rows = carve_at<int64_t>(scratch, w.off_rows);
+  L.req_written = carve_at<int64_t>(scratch, w.off_written);
+  L.row_start = carve_at<int64_t>(scratch, w.off_start);
+  L.table = carve_at<unsigned long long>(scratch, w.off_table);
+  const cudaError_t err = cudaMemsetAsync(L.table, 0xFF, sizeof(unsigned long long) * w.table_size, stream);
+  if (err != cudaSuccess) return err;
+  const unsigned req_grid = static_cast<unsigned>(blocks_for(capacity, 1, kMaxGridBlocks));
+  KVC_LAUNCH(write_prep_kernel, 1, kOneBlockThreads, stream, L);
+  KVC_LAUNCH(write_count_kernel, req_grid, kWriteThreads, stream, L);
+  KVC_LAUNCH(write_scan_kernel, 1, kOneBlockThreads, stream, L);
+  KVC_LAUNCH(write_main_kernel, req_grid, kWriteThreads, stream, L);
+  return cudaGetLastError();
+}
+
+cudaError_t plan_enqueue(const PlanArgs& a, int64_t bs, int64_t vcap, int64_t wcap, const PlanOut& out,
+                         ScratchView scratch, cudaStream_t stream) {
+  const PlanLayout p = plan_layout(bs);
+  if (scratch.bytes < p.bytes) return cudaErrorInvalidValue;
+  PlanLaunch L{};
+  L.a = a;
+  L.bs = bs;
+  L.vcap = vcap;
+  L.wcap = wcap;
+  L.out = out;
+  L.rows = carve_at<PlanRow>(scratch, p.off_rows);
+  L.vstart = carve_at<int64_t>(scratch, p.off_vstart);
+  L.filled = carve_at<int64_t>(scratch, p.off_filled);
+  const int64_t work = vcap > wcap + 1 ? vcap : wcap + 1;
+  const unsigned grid = static_cast<unsigned>(blocks_for(work, kPlanThreads, kMaxGridBlocks));
+  KVC_LAUNCH(plan_rows_kernel, 1, kOneBlockThreads, stream, L);
+  KVC_LAUNCH(plan_entries_kernel, grid, kPlanThreads, stream, L);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t scatter_enqueue(T* pool, int64_t rows, int64_t cols, IndexView flat, int64_t total, IndexView offsets,
+                            IndexView req_pool_indices, int64_t bs, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0 || bs <= 0) return cudaSuccess;  // nothing is addressed
+  const unsigned grid = static_cast<unsigned>(blocks_for(cols, kScatterThreads, kMaxGridBlocks));
+  KVC_LAUNCH(scatter_kernel<T>, grid, kScatterThreads, stream, pool, rows, cols, flat, total, offsets,
+             req_pool_indices, bs);
+  return cudaGetLastError();
+}
+template cudaError_t scatter_enqueue<int32_t>(int32_t*, int64_t, int64_t, IndexView, int64_t, IndexView, IndexView,
+                                              int64_t, cudaStream_t);
+template cudaError_t scatter_enqueue<int64_t>(int64_t*, int64_t, int64_t, IndexView, int64_t, IndexView, IndexView,
+                                              int64_t, cudaStream_t);
 
 }  // namespace kvcanary

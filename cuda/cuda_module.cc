@@ -1,17 +1,10 @@
 // cuda_module.cc: the nanobind module `jax_kvcanary._kvcanary_cuda`, exporting the CUDA FFI handler
-// capsules (cuda_kernels.cu) under the CPU module's target names, so one ffi_call lowers to the
+// capsules (cuda_handlers.cc) under the CPU module's target names, so one ffi_call lowers to the
 // native handler of either platform. Importing this module needs no GPU and no CUDA driver: the
 // CUDA runtime is linked statically and only initialises on the first launch.
-#include "cuda_scratch.h"
+#include "cuda_handlers.h"
+#include "cuda_kernels.h"
 #include "registrations.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace kvcanary {
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kvcanary_verify_cuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kvcanary_write_cuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kvcanary_plan_cuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kvcanary_scatter_cuda);
-}  // namespace kvcanary
 
 NB_MODULE(_kvcanary_cuda, m) {
   m.def("registrations", []() {

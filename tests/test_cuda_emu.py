@@ -33,8 +33,9 @@ from tests.support.cases import CONFIGS, OPS, compare, describe_case, make_case,
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMU_DIR = os.path.join(ROOT, "tests", "cuda_emu")
-SOURCES = [os.path.join(ROOT, "cuda", f)
-           for f in ("cuda_kernels.cu", "canary_core.h", "cuda_scratch.h", "ffi_common.h")] + \
+KERNELS = os.path.join(ROOT, "cuda", "cuda_kernels.cu")
+SOURCES = [os.path.join(ROOT, "cuda", f) for f in ("cuda_kernels.cu", "cuda_kernels.h", "cuda_geometry.h",
+                                                   "canary_core.h")] + \
           [os.path.join(EMU_DIR, f) for f in ("cuda_runtime.h", "emu_driver.cc")]
 SEEDS = int(os.environ.get("KVC_EMU_SEEDS", "4"))
 
@@ -48,21 +49,16 @@ BUILDS = {
 pytestmark = pytest.mark.skipif(os.environ.get("KVC_EMU", "1") == "0", reason="KVC_EMU=0")
 
 
-def _xla_include():
-    import jax
-    return jax.ffi.include_dir()
-
 
 def _compile(name: str, flags) -> str:
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         pytest.skip(f"no C++ compiler ({cxx}) for the CUDA emulation")
-    inc = _xla_include()
     h = hashlib.sha256()
     for p in SOURCES:
         with open(p, "rb") as f:
             h.update(f.read())
-    h.update(" ".join([cxx, inc] + list(flags)).encode())
+    h.update(" ".join([cxx] + list(flags)).encode())
     out_dir = os.path.join(ROOT, "build", "cuda-emu")
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -72,8 +68,8 @@ def _compile(name: str, flags) -> str:
     if not os.path.exists(so):
         tmp = so + f".{os.getpid()}.tmp"
         cmd = [cxx, "-std=c++20", "-O1", "-pthread", "-fPIC", "-shared", "-Wall", "-Wextra",
-               "-Wno-unknown-pragmas", "-I", EMU_DIR, "-I", os.path.join(ROOT, "cuda"), "-isystem", inc,
-               *flags, "-x", "c++", os.path.join(EMU_DIR, "emu_driver.cc"), "-o", tmp]
+               "-Wno-unknown-pragmas", "-I", EMU_DIR, "-I", os.path.join(ROOT, "cuda"),
+               *flags, "-x", "c++", KERNELS, os.path.join(EMU_DIR, "emu_driver.cc"), "-o", tmp]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError("building the CUDA emulation failed:\n" + " ".join(cmd) + "\n" + r.stderr[-4000:])

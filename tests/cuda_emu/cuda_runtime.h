@@ -44,6 +44,7 @@ inline thread_local dim3 gridDim;
 
 typedef int cudaError_t;
 constexpr cudaError_t cudaSuccess = 0;
+constexpr cudaError_t cudaErrorInvalidValue = 1;
 typedef struct CUstream_st* cudaStream_t;
 enum cudaMemcpyKind { cudaMemcpyDeviceToDevice = 3 };
 inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) {
@@ -55,7 +56,7 @@ inline cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyK
   return cudaSuccess;
 }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
-inline const char* cudaGetErrorName(cudaError_t) { return "cudaErrorEmulated"; }
+inline const char* cudaGetErrorName(cudaError_t e) { return e == cudaErrorInvalidValue ? "cudaErrorInvalidValue" : "cudaErrorEmulated"; }
 inline const char* cudaGetErrorString(cudaError_t) { return "emulated"; }
 
 namespace emu {

@@ -1,15 +1,18 @@
 // tests/cuda_emu/emu_driver.cc: runs the CUDA launchers of cuda/cuda_kernels.cu on the CPU (through
 // the cuda_runtime.h stand-in beside this file), behind a C ABI for ctypes (tests/test_cuda_emu.py).
 //
-// Built by the test with g++: -I tests/cuda_emu (first, for the stand-in) -I cuda -isystem <XLA FFI>.
-// The launch structs are filled from raw host arrays exactly as the FFI handlers fill them from
-// buffers; the *_enqueue functions, the kernels and canary_core.h are the production code.
+// Built by the test with g++ together with cuda/cuda_kernels.cu (its own translation unit):
+// -I tests/cuda_emu (first, for the stand-in) -I cuda. The core argument structs are filled from raw
+// host arrays as the FFI handlers (cuda/ffi_handlers.h) fill them from buffers; the *_enqueue
+// functions, the kernels and canary_core.h are the production code.
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
-#include <optional>
 
-#include "cuda_kernels.cu"
+#include <cstring>
+
+#include "cuda_geometry.h"
+#include "cuda_kernels.h"
 
 namespace kvcanary {
 namespace {
@@ -23,10 +26,7 @@ struct EmuScratch {
   }
   size_t size;
   std::unique_ptr<unsigned char[]> mem;
-  std::optional<void*> operator()(size_t bytes) {
-    if (bytes > size) return std::nullopt;
-    return static_cast<void*>(mem.get());
-  }
+  ScratchView view() const { return ScratchView{mem.get(), size}; }
 };
 
 IndexView iv(const void* p, int is64) { return IndexView{p, is64 != 0}; }
@@ -44,10 +44,15 @@ RealKvSources sources(int32_t mode, int n, const void* const* data, const int64_
   return out;
 }
 
-int report(const ffi::Error& e) {
-  if (e.success()) return 0;
-  std::fprintf(stderr, "cuda_emu: %s\n", e.message().c_str());
+int report(cudaError_t e) {
+  if (e == cudaSuccess) return 0;
+  std::fprintf(stderr, "cuda_emu: launch failed: %s\n", cudaGetErrorName(e));
   return 1;
+}
+
+LogView log_view(uint8_t* ring, int64_t ring_cap, int32_t* write_index, uint8_t* kernel_counters,
+                 uint8_t* slot_counters) {
+  return LogView{ring, ring_cap, write_index, kernel_counters, slot_counters};
 }
 
 }  // namespace
@@ -65,25 +70,19 @@ int kvc_emu_verify(uint8_t* canary, int64_t num_slots, int64_t stride, uint8_t* 
                    int check_token, int64_t tag, int32_t mode, int nsrc, const void* const* src_data,
                    const int64_t* src_rows, const int64_t* src_row_bytes, const int64_t* page_size,
                    const int64_t* bytes_per_token, const int64_t* read_bytes) {
-  VerifyLaunch L{};
-  L.a.canary = CanaryView{canary, num_slots, stride};
-  L.a.slots = iv(slots, slots64);
-  L.a.tokens = iv(tokens, tokens64);
-  L.a.positions = iv(positions, positions64);
-  L.a.prevs = iv(prevs, prevs64);
-  L.a.check_token = check_token != 0;
-  L.a.sources = sources(mode, nsrc, src_data, src_rows, src_row_bytes, page_size, bytes_per_token, read_bytes);
-  L.a.tag = tag;
-  L.capacity = capacity;
-  L.num_valid = num_valid;
-  L.enable = enable;
-  L.ring = ring;
-  L.ring_cap = ring_cap;
-  L.write_index = write_index;
-  L.kernel_counters = kernel_counters;
-  L.slot_counters = slot_counters;
+  VerifyArgs a{};
+  a.canary = CanaryView{canary, num_slots, stride};
+  a.slots = iv(slots, slots64);
+  a.tokens = iv(tokens, tokens64);
+  a.positions = iv(positions, positions64);
+  a.prevs = iv(prevs, prevs64);
+  a.check_token = check_token != 0;
+  a.sources = sources(mode, nsrc, src_data, src_rows, src_row_bytes, page_size, bytes_per_token, read_bytes);
+  a.tag = tag;
   EmuScratch scratch(verify_scratch_bytes(capacity));
-  return report(verify_enqueue(L, scratch, nullptr));
+  return report(verify_enqueue(a, capacity, num_valid, enable,
+                               log_view(ring, ring_cap, write_index, kernel_counters, slot_counters), scratch.view(),
+                               nullptr));
 }
 
 int kvc_emu_write(uint8_t* canary, int64_t num_slots, int64_t stride, uint8_t* ring, int64_t ring_cap,
@@ -95,30 +94,22 @@ int kvc_emu_write(uint8_t* canary, int64_t num_slots, int64_t stride, uint8_t* r
                   int64_t tag, int32_t mode, int nsrc, const void* const* src_data, const int64_t* src_rows,
                   const int64_t* src_row_bytes, const int64_t* page_size, const int64_t* bytes_per_token,
                   const int64_t* read_bytes) {
-  WriteLaunch L{};
-  L.a.canary = CanaryView{canary, num_slots, stride};
-  L.a.seeds = iv(seeds, seeds64);
-  L.a.input_ids = iv(input_ids, ids64);
-  L.a.positions = iv(positions, positions64);
-  L.a.locs = iv(locs, locs64);
-  L.a.exp_tokens = iv(exp_tokens, exp_tokens64);
-  L.a.exp_positions = iv(exp_positions, exp_positions64);
-  L.a.input_assert = input_assert != 0;
-  L.a.chain_assert = false;
-  L.a.sources = sources(mode, nsrc, src_data, src_rows, src_row_bytes, page_size, bytes_per_token, read_bytes);
-  L.a.tag = tag;
-  L.chain_flag = chain_flag;
-  L.offsets = iv(offsets, offsets64);
-  L.C = capacity;
-  L.N = num_tokens;
-  L.num_valid_reqs = num_valid_reqs;
-  L.ring = ring;
-  L.ring_cap = ring_cap;
-  L.write_index = write_index;
-  L.kernel_counters = kernel_counters;
-  L.slot_counters = slot_counters;
-  EmuScratch scratch(write_scratch_bytes(L.C, L.N));
-  return report(write_enqueue(L, scratch, nullptr));
+  WriteArgs a{};
+  a.canary = CanaryView{canary, num_slots, stride};
+  a.seeds = iv(seeds, seeds64);
+  a.input_ids = iv(input_ids, ids64);
+  a.positions = iv(positions, positions64);
+  a.locs = iv(locs, locs64);
+  a.exp_tokens = iv(exp_tokens, exp_tokens64);
+  a.exp_positions = iv(exp_positions, exp_positions64);
+  a.input_assert = input_assert != 0;
+  a.chain_assert = false;
+  a.sources = sources(mode, nsrc, src_data, src_rows, src_row_bytes, page_size, bytes_per_token, read_bytes);
+  a.tag = tag;
+  EmuScratch scratch(write_scratch_bytes(capacity, num_tokens));
+  return report(write_enqueue(a, iv(offsets, offsets64), capacity, num_tokens, num_valid_reqs, chain_flag,
+                              log_view(ring, ring_cap, write_index, kernel_counters, slot_counters), scratch.view(),
+                              nullptr));
 }
 
 int kvc_emu_plan(const void* rpi, int rpi64, const void* prefix, int prefix64, const void* extend, int extend64,
@@ -127,8 +118,7 @@ int kvc_emu_plan(const void* rpi, int rpi64, const void* prefix, int prefix64, c
                  const void* valid_lens, int valid_lens64, int64_t window, int64_t token_offset, int64_t vcap,
                  int64_t wcap, int32_t* slots, int32_t* tokens, int32_t* positions, int32_t* prevs,
                  int32_t* num_valid, int32_t* enable, int32_t* offsets, int32_t* seeds, int32_t* num_valid_reqs) {
-  PlanLaunch L{};
-  PlanArgs& a = L.a;
+  PlanArgs a{};
   a.req_pool_indices = iv(rpi, rpi64);
   a.prefix_lens = iv(prefix, prefix64);
   a.extend_seq_lens = iv(extend, extend64);
@@ -145,20 +135,10 @@ int kvc_emu_plan(const void* rpi, int rpi64, const void* prefix, int prefix64, c
   a.valid_lens = iv(valid_lens, valid_lens64);
   a.window = window;
   a.token_offset = token_offset;
-  L.vcap = vcap;
-  L.wcap = wcap;
-  L.bs = bs < wcap ? bs : wcap;
-  L.slots = slots;
-  L.tokens = tokens;
-  L.positions = positions;
-  L.prevs = prevs;
-  L.num_valid = num_valid;
-  L.enable = enable;
-  L.offsets = offsets;
-  L.seeds = seeds;
-  L.num_valid_reqs = num_valid_reqs;
-  EmuScratch scratch(plan_scratch_bytes(L.bs));
-  return report(plan_enqueue(L, scratch, nullptr));
+  const int64_t rows = bs < wcap ? bs : wcap;
+  const PlanOut out{slots, tokens, positions, prevs, num_valid, enable, offsets, seeds, num_valid_reqs};
+  EmuScratch scratch(plan_scratch_bytes(rows));
+  return report(plan_enqueue(a, rows, vcap, wcap, out, scratch.view(), nullptr));
 }
 
 int kvc_emu_scatter(void* pool, int pool64, int64_t Rp, int64_t Cp, const void* flat, int flat64, int64_t total,
@@ -172,13 +152,13 @@ int kvc_emu_scatter(void* pool, int pool64, int64_t Rp, int64_t Cp, const void* 
 
 // The launch geometry this driver was built with (for the test's case sizes).
 void kvc_emu_geometry(int64_t* out) {
-  out[0] = kVerifyThreads;
-  out[1] = kVerifyMaxBlocks;
-  out[2] = kWriteThreads;
-  out[3] = kOneBlockThreads;
-  out[4] = kPlanThreads;
-  out[5] = kScatterThreads;
-  out[6] = kMaxGridBlocks;
+  out[0] = KVC_VERIFY_THREADS;
+  out[1] = KVC_VERIFY_MAX_BLOCKS;
+  out[2] = KVC_WRITE_THREADS;
+  out[3] = KVC_ONE_BLOCK_THREADS;
+  out[4] = KVC_PLAN_THREADS;
+  out[5] = KVC_SCATTER_THREADS;
+  out[6] = KVC_MAX_GRID_BLOCKS;
 }
 
 }  // extern "C"

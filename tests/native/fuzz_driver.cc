@@ -1,4 +1,4 @@
-// fuzz_driver.cc: seeded fuzzing of the native launchers (cuda/cpu_loops.h) with malformed data.
+// fuzz_driver.cc: seeded fuzzing of the native launchers (cuda/cpu_launchers.h) with malformed data.
 //
 // Every case builds exact-size heap buffers (so AddressSanitizer flags any byte read or written
 // outside them), fills them with malformed values (negative and huge slots, seeds, predecessors, LUT
@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "cpu_loops.h"
+#include "cpu_launchers.h"
 
 using namespace kvcanary;
 

@@ -1,6 +1,7 @@
-// cpu_loops.h: the sequential launchers used by the CPU handlers (and by the native fuzz driver).
-// They are plain loops over the canary_core.h functions in (request, entry) order, on raw pointers,
-// with no XLA types, so a test driver can run them under sanitizers.
+// cpu_launchers.h: the sequential CPU launchers of the four ops, used by the CPU FFI handlers
+// (cpu_handlers.cc) and by the native fuzz driver (tests/native). They are plain loops over the
+// canary_core.h functions in (request, entry) order, on raw pointers, with no XLA types, so a test
+// driver can run them under sanitizers.
 #pragma once
 
 #include <cstdint>
@@ -9,14 +10,6 @@
 #include "canary_core.h"
 
 namespace kvcanary {
-
-struct LogView {
-  uint8_t* ring;  // [capacity, 64]
-  int64_t capacity;
-  int32_t* write_index;       // [1]
-  uint8_t* kernel_counters;   // [num_tags, 8]
-  uint8_t* slot_counters;     // [num_tags, 8]
-};
 
 // Verify entries are independent and their slots scattered over pages the hardware prefetcher cannot
 // guess: the loop asks for the slot record this many entries ahead (one 16-slot page in flight).
@@ -86,14 +79,6 @@ inline void write_launch(const WriteArgs& a, IndexView offsets, int64_t capacity
   counter_add(log.slot_counters, a.tag, written);
   if (emit.count) log.write_index[0] = next_write_index(emit.base, emit.count);
 }
-
-struct PlanOut {
-  int32_t *slots, *tokens, *positions, *prevs;  // [vcap]
-  int32_t *num_valid, *enable;                  // [1]
-  int32_t *offsets;                             // [wcap + 1]
-  int32_t *seeds;                               // [wcap]
-  int32_t *num_valid_reqs;                      // [1]
-};
 
 // PLAN launch (spec §9.3): every output element is written; bs <= wcap is checked in Python.
 inline void plan_launch(const PlanArgs& a, int64_t bs, int64_t vcap, int64_t wcap, const PlanOut& out) {
