@@ -1,4 +1,4 @@
-"""Every trace-time argument error (spec §4.4, §7.2, §8.2, §9.4, §9.5): class and exact message.
+"""Every trace-time argument error (format.md §4.4, §7.2, §8.2, §9.4, §9.5): class and exact message.
 
 Each case is also run under ``jax.jit`` tracing where it applies, to show the error is raised while
 tracing, before anything reaches a native handler.
@@ -68,7 +68,7 @@ def plan(**over):
     return kvc.plan(*args.values(), **kw)
 
 
-# ---- RealKvSource constructor (spec §4.4) -------------------------------------------------------
+# ---- RealKvSource constructor (format.md §4.4) -------------------------------------------------------
 U8 = jnp.zeros((4, 64), jnp.uint8)
 
 
@@ -210,7 +210,7 @@ def test_impl_ffi_without_handler(monkeypatch):
         write(impl="ffi")
 
 
-# ---- write-specific (spec §7.2 steps 5-12) ------------------------------------------------------
+# ---- write-specific (format.md §7.2 steps 5-12) ------------------------------------------------------
 WRITE_CASES = [
     (dict(write_plan=good_vp()), TypeError, "kv-canary: write_plan must be a WritePlan, got VerifyPlan"),
     (dict(write_plan=kvc.WritePlan(i32(0, 0), [1], i32(1))), TypeError,
@@ -262,7 +262,7 @@ def test_write_input_assert_pair_errors_exact_upstream_text():
     assert str(e.value) == "kv-canary: expected input tensors are required when enable_write_input_assert=True"
 
 
-# ---- verify-specific (spec §8.2 steps 5-9) ------------------------------------------------------
+# ---- verify-specific (format.md §8.2 steps 5-9) ------------------------------------------------------
 def vp(**over):
     p = good_vp()
     for k, v in over.items():
@@ -319,7 +319,7 @@ def test_errors_raise_while_tracing_before_any_native_call():
     assert called == [1]  # traced once, failed during tracing
 
 
-# ---- plan (spec §9.4) ---------------------------------------------------------------------------
+# ---- plan (format.md §9.4) ---------------------------------------------------------------------------
 PLAN_CASES = [
     (dict(swa_window_size=1.0), TypeError, "kv-canary: swa_window_size must be an int, got float"),
     (dict(swa_window_size=-1), ValueError, "kv-canary: swa_window_size must be >= 0, got -1"),
@@ -373,7 +373,7 @@ def test_plan_allows_empty_batch_and_zero_sized_table():
     assert int(vplan.num_valid[0]) == 0 and int(wplan.num_valid_reqs[0]) == 0
 
 
-# ---- scatter (spec §9.5) ------------------------------------------------------------------------
+# ---- scatter (format.md §9.5) ------------------------------------------------------------------------
 POOL = jnp.zeros((4, 8), jnp.int32)
 SCATTER_CASES = [
     ((None, i32(1), i32(0, 1), i32(1)), TypeError,

@@ -16,22 +16,32 @@ from . import consts
 from .inputs import VerifyPlan, WritePlan
 from .state import ViolationLog
 
+#: Why a native module is missing, by device platform (``"cpu"``, ``"gpu"``): the ImportError text.
+#: The ops still run there through the pure-JAX backend (see ``backend.py``).
+IMPORT_ERRORS: dict = {}
+
 try:
     from . import _kvcanary
-except ImportError:  # the pure-JAX backend still works
+except ImportError as e:
     _kvcanary = None
+    IMPORT_ERRORS["cpu"] = f"{type(e).__name__}: {e}"
 try:
     from . import _kvcanary_cuda
-except ImportError:
+except ImportError as e:
     _kvcanary_cuda = None
+    IMPORT_ERRORS["gpu"] = f"{type(e).__name__}: {e}"
 
 VERIFY_TARGET = "kvcanary_verify"
 WRITE_TARGET = "kvcanary_write"
 PLAN_TARGET = "kvcanary_plan"
 SCATTER_TARGET = "kvcanary_scatter"
 
-#: Platforms (as ``jax.Device.platform`` names them) that have a registered native handler.
+#: Device platforms (as ``jax.Device.platform`` names them) that have a registered native handler.
 NATIVE_PLATFORMS: frozenset = frozenset()
+
+#: Every ffi_call maps over a vmapped batch one element at a time (``lax.map``): each batch element
+#: is an independent launch on its own state, the semantics of the pure-JAX backend under vmap.
+VMAP_METHOD = "sequential"
 
 
 def _register() -> frozenset:
@@ -71,7 +81,7 @@ def _scratch(sizer: str, *dims: int) -> jax.ShapeDtypeStruct:
     """The last result of verify / write / plan: ``uint8[n]`` device scratch of the CUDA handler. As a
     result, XLA allocates it with the call's other buffers, so it stays valid when the call is recorded
     into a command buffer (CUDA graph) and replayed. ``n`` comes from the CUDA module's own launch
-    geometry (``cuda/cuda_scratch.h``); 0 without it. The CPU handlers ignore it; callers drop it."""
+    geometry (``cuda/cuda_kernels.h``); 0 without it. The CPU handlers ignore it; callers drop it."""
     n = getattr(_kvcanary_cuda, sizer)(*dims) if _kvcanary_cuda is not None else 0
     return jax.ShapeDtypeStruct((int(n),), jnp.uint8)
 
@@ -81,7 +91,7 @@ def verify(canary, log, verify_plan, *, tag, check_verify_expected_token, real_k
     p = verify_plan
     call = jax.ffi.ffi_call(VERIFY_TARGET, _log_outputs(log) + (
         _scratch("verify_scratch_bytes", p.slot_indices.shape[0]),),
-                            input_output_aliases={1: 0, 2: 1, 3: 2, 4: 3})
+                            input_output_aliases={1: 0, 2: 1, 3: 2, 4: 3}, vmap_method=VMAP_METHOD)
     ring, write_index, kernel_counters, slot_counters, _ = call(
         canary, log.ring, log.write_index, log.kernel_run_counters, log.slot_run_counters,
         p.slot_indices, p.expected_tokens, p.expected_positions, p.prev_slot_indices, p.num_valid, p.enable,
@@ -99,7 +109,7 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag, 
     wp = write_plan
     call = jax.ffi.ffi_call(WRITE_TARGET, (_sds(canary),) + _log_outputs(log) + (
         _scratch("write_scratch_bytes", wp.seed_slot_indices.shape[0], input_ids.shape[0]),),
-                            input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3, 4: 4})
+                            input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3, 4: 4}, vmap_method=VMAP_METHOD)
     canary, ring, write_index, kernel_counters, slot_counters, _ = call(
         canary, log.ring, log.write_index, log.kernel_run_counters, log.slot_run_counters,
         log.enable_chain_position_assert, wp.offsets, wp.seed_slot_indices, wp.num_valid_reqs,
@@ -125,7 +135,8 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
     vc, wc = verify_capacity, write_req_capacity
     bs = min(req_pool_indices.shape[0], wc)
     call = jax.ffi.ffi_call(PLAN_TARGET, (i32(vc), i32(vc), i32(vc), i32(vc), i32(1), i32(1),
-                                          i32(wc + 1), i32(wc), i32(1), _scratch("plan_scratch_bytes", bs)))
+                                          i32(wc + 1), i32(wc), i32(1), _scratch("plan_scratch_bytes", bs)),
+                            vmap_method=VMAP_METHOD)
     slots, tokens, positions, prevs, num_valid, enable, offsets, seeds, num_valid_reqs, _ = call(
         req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, lut, pool, valid_lens,
         window=np.int64(swa_window_size), token_offset=np.int64(kv_token_id_vs_position_offset),
@@ -136,5 +147,5 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
 
 def scatter_req_token_ids(pool, flat_ids, offsets, req_pool_indices):
     """Native scatter of per-request id lists into the token pool (aliased)."""
-    call = jax.ffi.ffi_call(SCATTER_TARGET, _sds(pool), input_output_aliases={0: 0})
+    call = jax.ffi.ffi_call(SCATTER_TARGET, _sds(pool), input_output_aliases={0: 0}, vmap_method=VMAP_METHOD)
     return call(pool, flat_ids, offsets, req_pool_indices)

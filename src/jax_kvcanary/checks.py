@@ -1,4 +1,4 @@
-"""Trace-time argument checks shared by every backend (spec §7.2, §8.2, §9.4, §9.5).
+"""Trace-time argument checks shared by every backend (format.md §7.2, §8.2, §9.4, §9.5).
 
 Each function raises on the first failure, with a ``kv-canary:`` message naming the argument, the
 expected and the actual value, and returns the normalised value (a Python int/bool, a length).
@@ -8,7 +8,6 @@ Nothing here looks at array *values*: data-dependent conditions are the kernels'
 from __future__ import annotations
 
 import operator
-import os
 
 import jax
 import numpy as np
@@ -19,7 +18,6 @@ from .inputs import RealKvSource
 from .state import ViolationLog
 
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
-IMPL_ENV = "JAX_KVCANARY_IMPL"
 
 
 def _shape(x) -> tuple:
@@ -57,38 +55,6 @@ def real_kv(real_kv_sources, real_kv_hash_mode):
     if mode == consts.RealKvHashMode.NONE or not real_kv_sources:
         return (), 0
     return tuple(real_kv_sources), int(mode)
-
-
-# ---- [IMPL] -------------------------------------------------------------------------------------
-def _platform_of(x) -> str:
-    """Platform of a concrete array, else the default backend (tracers carry no device)."""
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-        try:
-            return next(iter(x.devices())).platform
-        except Exception:  # noqa: BLE001 - deleted or abstract arrays: fall back
-            pass
-    return jax.default_backend()
-
-
-def impl(impl_arg, like=None) -> str:
-    """[IMPL]: resolve ``impl`` to ``'ffi'`` or ``'xla'`` for the platform of ``like``."""
-    from . import _ffi
-
-    if impl_arg is None:
-        env = os.environ.get(IMPL_ENV)
-        if env is not None and env != "":
-            if env not in ("ffi", "xla"):
-                raise ValueError(f"kv-canary: {IMPL_ENV} must be 'ffi' or 'xla', got {env!r}")
-            impl_arg = env
-    elif impl_arg not in ("ffi", "xla"):
-        raise ValueError(f"kv-canary: impl must be 'ffi' or 'xla', got {impl_arg!r}")
-    platform = _platform_of(like)
-    native = platform in _ffi.NATIVE_PLATFORMS
-    if impl_arg is None:
-        return "ffi" if native else "xla"
-    if impl_arg == "ffi" and not native:
-        raise ValueError(f"kv-canary: impl='ffi' has no native handler for platform {platform!r}; use impl='xla'")
-    return impl_arg
 
 
 # ---- [CAN] / [LOG] / [TAG] / [BOOL] -------------------------------------------------------------
@@ -202,7 +168,7 @@ def index_matrix(x, name: str) -> tuple:
     return _shape(x)
 
 
-# ---- plan statics (spec §9.4) -------------------------------------------------------------------
+# ---- plan statics (format.md §9.4) -------------------------------------------------------------------
 def static_int(value, name: str) -> int:
     try:
         return int(operator.index(value))
@@ -219,7 +185,7 @@ def capacity(value, name: str, positive_text: str) -> int:
     return n
 
 
-# ---- scatter (spec §9.5) ------------------------------------------------------------------------
+# ---- scatter (format.md §9.5) ------------------------------------------------------------------------
 def scatter_args(pool, flat_ids, offsets, req_pool_indices) -> None:
     args = (("pool", pool, 2), ("flat_ids", flat_ids, 1), ("offsets", offsets, 1),
             ("req_pool_indices", req_pool_indices, 1))

@@ -1,56 +1,52 @@
-"""The public ops: trace-time checks (in the spec's order), then dispatch to a backend.
-
-Backends: ``_ffi`` (native custom calls) and ``xla_impl`` (pure jax.numpy). Both receive the same
-normalised arguments, so the checks live here once. All ops are functional and jit-compatible;
-mutating ops alias their state inputs to their outputs.
+"""The public ops: trace-time checks (in the order of format §7.2, §8.2, §9.4, §9.5), then dispatch
+to a backend (``backend.py``: the native custom calls of ``_ffi.py``, the pure-JAX ``xla_impl.py``, or
+the choice per lowering platform). Every backend receives the same normalised arguments, so the
+checks live here once. All ops are functional and jit-compatible; mutating ops alias their state
+inputs to their outputs.
 """
 
 from __future__ import annotations
 
-import jax
-
-from . import checks, consts
+from . import backend, checks, consts
 from .errors import KvCanaryTypeError
 from .inputs import VerifyPlan, WritePlan
 
 
-# Static (compile-time) options of each op: the pure-JAX backend is called through one cached
-# jax.jit per op, so eager calls compile once per shape instead of dispatching op by op.
-_STATIC = {
-    "verify": ("tag", "check_verify_expected_token", "real_kv_hash_mode"),
-    "write": ("tag", "enable_write_input_assert", "real_kv_hash_mode"),
-    "plan": ("verify_capacity", "write_req_capacity", "swa_window_size", "kv_token_id_vs_position_offset"),
-    "scatter_req_token_ids": (),
-}
-
-
-class _JittedXla:
-    def __getattr__(self, name):
-        from . import xla_impl
-        fn = jax.jit(getattr(xla_impl, name), static_argnames=_STATIC[name])
-        setattr(self, name, fn)
-        return fn
-
-
-_XLA = _JittedXla()
-
-
-def _backend(name: str):
-    if name == "ffi":
-        from . import _ffi
-        return _ffi
-    return _XLA
-
-
 def verify(canary, log, verify_plan, *, tag, check_verify_expected_token=False, real_kv_sources=(),
            real_kv_hash_mode=consts.RealKvHashMode.NONE, impl=None):
-    """Check every active plan entry against the canary records; returns the updated ``ViolationLog``.
+    """Check every active plan entry against the canary records (docs/format.md §8).
 
-    canary: uint8[num_slots, stride] (read only). verify_plan: VerifyPlan (entries int32/int64[V],
-    num_valid/enable int32[1]). Rows go to ``log.ring`` in entry order (spec §8).
+    Each active entry checks one chain link: the slot's stored position (and token, if asked)
+    against the plan, its stored ``prev_hash`` against its predecessor's successor hash, and, with
+    real-KV sources, its stored fingerprint against the live KV bytes. Mismatches become rows of
+    ``log.ring`` in entry order. The canary is only read.
+
+    Args:
+      canary: ``uint8[num_slots, stride]``, ``stride >= 32`` and a multiple of 8.
+      log: the step's ``ViolationLog``.
+      verify_plan: ``VerifyPlan`` with entry arrays int32/int64 ``[V]`` (``V >= 1``) and
+        ``num_valid`` / ``enable`` int32 ``[1]``; usually the first result of ``plan``.
+      tag: the launch tag (``LaunchTag`` or int in ``[0, num_tags)``), stamped into every row and
+        selecting the counter row. Static.
+      check_verify_expected_token: also compare stored tokens with ``expected_tokens`` (-1 = skip
+        the entry's token check). Static.
+      real_kv_sources: up to 4 ``RealKvSource``; empty for no fingerprint check.
+      real_kv_hash_mode: ``RealKvHashMode`` (NONE, PARTIAL: 16 bytes per source, ALL: ``read_bytes``).
+        Static.
+      impl: ``"ffi"``, ``"xla"`` or None (the native handler where there is one, else the pure-JAX
+        backend, chosen per lowering platform; ``JAX_KVCANARY_IMPL`` sets the default).
+
+    Returns:
+      The updated ``ViolationLog`` (``ring``, ``write_index`` and the counters aliased to the
+      inputs, so a donating ``jax.jit`` updates them in place).
+
+    Raises:
+      TypeError, ValueError: at trace time, with a ``kv-canary:`` message naming the argument, the
+        expected and the actual value (type and dtype errors are ``KvCanaryTypeError``, which is
+        both). Data never raises: out-of-range indices become ``INDEX_OUT_OF_RANGE`` rows.
     """
     sources, mode = checks.real_kv(real_kv_sources, real_kv_hash_mode)
-    backend = checks.impl(impl, canary)
+    choice = backend.resolve(impl, canary)
     checks.canary(canary)
     num_tags = checks.log(log)
     tag = checks.tag(tag, num_tags)
@@ -65,20 +61,49 @@ def verify(canary, log, verify_plan, *, tag, check_verify_expected_token=False, 
     checks.scalar_i32(vp.num_valid, "verify_plan.num_valid")
     checks.scalar_i32(vp.enable, "verify_plan.enable")
     check_token = checks.static_bool(check_verify_expected_token, "check_verify_expected_token")
-    return _backend(backend).verify(canary, log, vp, tag=tag, check_verify_expected_token=check_token,
+    return backend.op("verify", choice)(canary, log, vp, tag=tag, check_verify_expected_token=check_token,
                                     real_kv_sources=sources, real_kv_hash_mode=mode)
 
 
 def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag, enable_write_input_assert=False,
           expected_input_tokens=None, expected_input_positions=None, real_kv_sources=(),
           real_kv_hash_mode=consts.RealKvHashMode.NONE, impl=None):
-    """Stamp the records of the slots this step fills; returns ``(canary, log)`` (both aliased).
+    """Stamp the records of the slots this step fills (docs/format.md §7).
 
-    input_ids / positions / out_cache_loc: int32/int64[N]; out_cache_loc < 0 skips an entry.
-    write_plan: WritePlan (offsets [C+1], seeds [C], num_valid_reqs int32[1]). Spec §7.
+    Requests run in order, each over its range of the flat token arrays: every entry with a slot
+    ``>= 0`` gets ``(token, position, prev_hash, real_kv_hash)``, the chain hash advancing from the
+    request's seed. The optional asserts compare the inputs with an oracle (input assert) and each
+    position with the previous one + 1 (chain-position assert, on while
+    ``log.enable_chain_position_assert`` is non-zero).
+
+    Args:
+      canary: ``uint8[num_slots, stride]``.
+      log: the step's ``ViolationLog``.
+      write_plan: ``WritePlan``: ``offsets`` int32/int64 ``[C + 1]``, ``seed_slot_indices``
+        int32/int64 ``[C]`` (``C >= 1``; negative = no prefix), ``num_valid_reqs`` int32 ``[1]``;
+        usually the second result of ``plan``.
+      input_ids: int32/int64 ``[N]``, the token of each flat entry.
+      positions: int32/int64 ``[N]``.
+      out_cache_loc: int32/int64 ``[N]``, the canary slot of each entry (SWA groups: already
+        translated); negative = skip the entry.
+      tag: the launch tag. Static.
+      enable_write_input_assert: compare ``input_ids`` / ``positions`` with the expected arrays.
+        Static.
+      expected_input_tokens, expected_input_positions: int32/int64 ``[N]`` when the input assert
+        is on, else None.
+      real_kv_sources: up to 4 ``RealKvSource`` whose bytes are fingerprinted into each record.
+      real_kv_hash_mode: ``RealKvHashMode``. Static.
+      impl: ``"ffi"``, ``"xla"`` or None (see ``verify``).
+
+    Returns:
+      ``(canary, log)``, both aliased to the inputs.
+
+    Raises:
+      TypeError, ValueError: at trace time, with a ``kv-canary:`` message (see ``verify``),
+        including the option pairs (``enable_write_input_assert=True`` needs both expected arrays).
     """
     sources, mode = checks.real_kv(real_kv_sources, real_kv_hash_mode)
-    backend = checks.impl(impl, canary)
+    choice = backend.resolve(impl, canary)
     checks.canary(canary)
     num_tags = checks.log(log)
     tag = checks.tag(tag, num_tags)
@@ -101,7 +126,7 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag, 
     if assert_on:
         checks.index_array(expected_input_tokens, "expected_input_tokens", n)
         checks.index_array(expected_input_positions, "expected_input_positions", n)
-    return _backend(backend).write(
+    return backend.op("write", choice)(
         canary, log, wp, input_ids, positions, out_cache_loc, tag=tag, enable_write_input_assert=assert_on,
         expected_input_tokens=expected_input_tokens, expected_input_positions=expected_input_positions,
         real_kv_sources=sources, real_kv_hash_mode=mode)
@@ -110,9 +135,36 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag, 
 def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify_capacity, write_req_capacity,
          swa_window_size=0, full_to_swa_index_mapping=None, req_to_verify_expected_tokens=None,
          req_to_verify_expected_tokens_valid_lens=None, kv_token_id_vs_position_offset=0, impl=None):
-    """Turn batch metadata into ``(VerifyPlan, WritePlan)`` of fresh int32 arrays (spec §9).
+    """Turn the batch metadata of a step into its verify and write work lists (docs/format.md §9).
 
-    req_pool_indices / prefix_lens / extend_seq_lens: int32/int64[bs]; req_to_token: int32/int64[R, L].
+    Every live batch row (``req_pool_indices != 0``) verifies its prefix (positions
+    ``[0, prefix_len)``, or the last ``swa_window_size`` of them) and writes ``extend_seq_len``
+    tokens, seeded by the slot of position ``prefix_len - 1``.
+
+    Args:
+      req_pool_indices: int32/int64 ``[bs]``, each batch row's row of ``req_to_token``; 0 = padding.
+      prefix_lens: int32/int64 ``[bs]``, tokens already in the KV cache.
+      extend_seq_lens: int32/int64 ``[bs]``, tokens written this step.
+      req_to_token: int32/int64 ``[R, L]``, the full-pool slot of ``(row, position)``.
+      verify_capacity: ``V``, the length of the verify entry arrays (``1 <= V < 2**31``). Static.
+        A step with more entries skips its verify (``enable = 0``) but still writes.
+      write_req_capacity: ``C``, the number of write requests (``bs <= C < 2**31``). Static.
+      swa_window_size: ``W``; 0 for a FULL group. Static.
+      full_to_swa_index_mapping: int32/int64 ``[Llut]``, the full-to-SWA slot map (0 = evicted);
+        required when ``W > 0``.
+      req_to_verify_expected_tokens: int32/int64 ``[Rp, Cp]`` ground-truth token pool, or None.
+      req_to_verify_expected_tokens_valid_lens: int32/int64 ``[bs]``, the valid length of each batch
+        row's pool row; given iff the pool is.
+      kv_token_id_vs_position_offset: added to the position before indexing the pool (0, or +1 for
+        EAGLE draft pools). Static.
+      impl: ``"ffi"``, ``"xla"`` or None (see ``verify``).
+
+    Returns:
+      ``(VerifyPlan, WritePlan)`` of fresh int32 arrays: entries ``[V]``, ``num_valid`` / ``enable``
+      ``[1]``; ``offsets [C + 1]``, ``seed_slot_indices [C]``, ``num_valid_reqs [1]``.
+
+    Raises:
+      TypeError, ValueError: at trace time, with a ``kv-canary:`` message (see ``verify``).
     """
     window = checks.static_int(swa_window_size, "swa_window_size")
     if window < 0:
@@ -120,7 +172,7 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
     if window > 0 and full_to_swa_index_mapping is None:
         raise ValueError("kv-canary: launch_canary_plan_kernels requires full_to_swa_index_mapping when "
                          "swa_window_size > 0")
-    backend = checks.impl(impl, req_to_token)
+    choice = backend.resolve(impl, req_to_token)
     vcap = checks.capacity(verify_capacity, "verify_capacity", "VerifyPlan verify_capacity")
     wcap = checks.capacity(write_req_capacity, "write_req_capacity", "WritePlan write_req_capacity")
     offset = checks.static_int(kv_token_id_vs_position_offset, "kv_token_id_vs_position_offset")
@@ -145,7 +197,7 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
     if pool is not None:
         checks.index_matrix(pool, "req_to_verify_expected_tokens")
         checks.index_array(valid_lens, "req_to_verify_expected_tokens_valid_lens", bs)
-    return _backend(backend).plan(
+    return backend.op("plan", choice)(
         req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, verify_capacity=vcap,
         write_req_capacity=wcap, swa_window_size=window, full_to_swa_index_mapping=full_to_swa_index_mapping,
         req_to_verify_expected_tokens=pool, req_to_verify_expected_tokens_valid_lens=valid_lens,
@@ -153,10 +205,24 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
 
 
 def scatter_req_token_ids(pool, flat_ids, offsets, req_pool_indices, *, impl=None):
-    """Fill the ground-truth token pool int32/int64[Rp, Cp] from flattened per-request id lists.
+    """Fill the ground-truth token pool from flattened per-request id lists (docs/format.md §9.5).
 
-    flat_ids: int[total]; offsets: int[bs + 1]; req_pool_indices: int[bs]. Returns the pool (aliased).
+    Batch row ``r`` copies ``flat_ids[offsets[r]:offsets[r + 1]]`` (at most ``Cp`` ids) to the start
+    of pool row ``req_pool_indices[r]``; a later row wins where two rows share a pool row.
+
+    Args:
+      pool: int32/int64 ``[Rp, Cp]``, the ``req_to_verify_expected_tokens`` of ``plan``.
+      flat_ids: int32/int64 ``[total]``, every row's prompt + output ids, concatenated.
+      offsets: int32/int64 ``[bs + 1]``.
+      req_pool_indices: int32/int64 ``[bs]``.
+      impl: ``"ffi"``, ``"xla"`` or None (see ``verify``).
+
+    Returns:
+      The pool, aliased to the input (ids narrowed to its dtype).
+
+    Raises:
+      TypeError, ValueError: at trace time, with a ``kv-canary:`` message.
     """
     checks.scatter_args(pool, flat_ids, offsets, req_pool_indices)
-    backend = checks.impl(impl, pool)
-    return _backend(backend).scatter_req_token_ids(pool, flat_ids, offsets, req_pool_indices)
+    choice = backend.resolve(impl, pool)
+    return backend.op("scatter_req_token_ids", choice)(pool, flat_ids, offsets, req_pool_indices)
