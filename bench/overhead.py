@@ -9,8 +9,7 @@
    projection; then the logits matmul), jitted with the KV caches and the canary state donated. The
    canary-on step wraps it with the runtime endpoints (``jax_kvcanary.runtime.CanaryEndpoints``:
    plan -> HEAD verify+write for K and V before, TAIL verify+write with real-KV PARTIAL fingerprints of
-   layer-0 K/V after); if the runtime is not usable, a minimal equivalent built from the public ops.
-   Off and on run in interleaved rounds; the ratio is on/off per round. The canary is populated by a
+   layer-0 K/V after). Off and on run in interleaved rounds; the ratio is on/off per round. The canary is populated by a
    prefill pass first, so the timed decode steps take the clean path (checked: no rows).
 """
 
@@ -24,7 +23,7 @@ import numpy as np
 from jax import lax
 
 import jax_kvcanary as kvc
-from jax_kvcanary import LaunchTag, RealKvHashMode
+from jax_kvcanary.runtime import CanaryBatch, CanaryConfig, CanaryEndpoints
 
 from .harness import Contender, fit_line, measure, ratio
 from .scenarios import PAGE_SIZE, SLACK
@@ -118,61 +117,14 @@ def dispatch(impls: List[str], chain_lengths: List[int], *, rounds: int, target_
 MODEL = {"layers": 4, "d_model": 256, "vocab": 4096, "dtype": "float32"}
 
 
-class _MinimalCanary:
-    """The runtime endpoints' default FULL-group behaviour from the public ops (fallback only)."""
-
-    def __init__(self, num_slots, bs, vcap):
-        self.num_slots, self.bs, self.vcap = num_slots, bs, vcap
-
-    def init_state(self):
-        return {"c": {t: kvc.new_canary_buffer(self.num_slots) for t in ("HK", "HV", "TK", "TV")},
-                "log": kvc.ViolationLog.create()}
-
-    def head(self, state, b):
-        vp, wp = kvc.plan(b["rpi"], b["prefix"], b["extend"], b["r2t"], verify_capacity=self.vcap,
-                          write_req_capacity=self.bs)
-        c, log = dict(state["c"]), state["log"]
-        for key, tag in (("HK", LaunchTag.HEAD_K_FULL), ("HV", LaunchTag.HEAD_V_FULL)):
-            log = kvc.verify(c[key], log, vp, tag=tag)
-            c[key], log = kvc.write(c[key], log, wp, b["ids"], b["pos"], b["loc"], tag=tag)
-        return {"c": c, "log": log}, (vp, wp)
-
-    def tail(self, state, ctx, b, srcs):
-        vp, wp = ctx
-        c, log = dict(state["c"]), state["log"]
-        for key, tag, src in (("TK", LaunchTag.TAIL_K_FULL, srcs[0]), ("TV", LaunchTag.TAIL_V_FULL, srcs[1])):
-            kw = dict(real_kv_sources=(src,), real_kv_hash_mode=RealKvHashMode.PARTIAL)
-            log = kvc.verify(c[key], log, vp, tag=tag, **kw)
-            c[key], log = kvc.write(c[key], log, wp, b["ids"], b["pos"], b["loc"], tag=tag, **kw)
-        return {"c": c, "log": log}
-
-    @staticmethod
-    def total(state):
-        return state["log"].total()
+def _endpoints(num_slots, bs, vcap):
+    """The runtime's endpoints in their default configuration (FULL group, K and V, PARTIAL)."""
+    return CanaryEndpoints(CanaryConfig(mode="log", real_kv_hash_mode="PARTIAL"), num_slots=num_slots,
+                           write_req_capacity=bs, verify_capacity=vcap)
 
 
-class _RuntimeCanary:
-    def __init__(self, num_slots, bs, vcap):
-        from jax_kvcanary.runtime import CanaryConfig, CanaryEndpoints
-        self.ep = CanaryEndpoints(CanaryConfig(mode="log", real_kv_hash_mode="PARTIAL"), num_slots=num_slots,
-                                  write_req_capacity=bs, verify_capacity=vcap)
-
-    def init_state(self):
-        return self.ep.init_state()
-
-    def _batch(self, b):
-        from jax_kvcanary.runtime import CanaryBatch
-        return CanaryBatch(b["rpi"], b["prefix"], b["extend"], b["r2t"], b["ids"], b["pos"], b["loc"])
-
-    def head(self, state, b):
-        return self.ep.head(state, self._batch(b))
-
-    def tail(self, state, ctx, b, srcs):
-        return self.ep.tail(state, ctx, real_kv={"FULL": {"K": srcs[0], "V": srcs[1]}})
-
-    @staticmethod
-    def total(state):
-        return state.log.total()
+def _canary_batch(b):
+    return CanaryBatch(b["rpi"], b["prefix"], b["extend"], b["r2t"], b["ids"], b["pos"], b["loc"])
 
 
 def _model_params(rng, model):
@@ -202,25 +154,26 @@ def _forward(params, kc, vc, b, *, attend: bool, total_len: int):
 
 
 def _sources(kc, vc):
+    """Layer 0's K and V, one slot per row (the TAIL endpoints' real-KV sources)."""
     nb = kc[0].shape[1] * kc[0].dtype.itemsize
-    return (kvc.RealKvSource(kc[0], 1, nb, nb), kvc.RealKvSource(vc[0], 1, nb, nb))
+    return {"FULL": {"K": kvc.RealKvSource(kc[0], 1, nb, nb), "V": kvc.RealKvSource(vc[0], 1, nb, nb)}}
 
 
-def _make_steps(canary_impl, total_len):
+def _make_steps(ep, total_len):
     def off(params, kc, vc, b):
         kc, vc, nxt = _forward(params, kc, vc, b, attend=True, total_len=total_len)
         return kc, vc, nxt
 
     def on(params, kc, vc, state, b):
-        state, ctx = canary_impl.head(state, b)
+        state, ctx = ep.head(state, _canary_batch(b))
         kc, vc, nxt = _forward(params, kc, vc, b, attend=True, total_len=total_len)
-        state = canary_impl.tail(state, ctx, b, _sources(kc, vc))
+        state = ep.tail(state, ctx, _sources(kc, vc))
         return kc, vc, state, nxt
 
     def fill(params, kc, vc, state, b):
-        state, ctx = canary_impl.head(state, b)
+        state, ctx = ep.head(state, _canary_batch(b))
         kc, vc, _ = _forward(params, kc, vc, b, attend=False, total_len=0)
-        state = canary_impl.tail(state, ctx, b, _sources(kc, vc))
+        state = ep.tail(state, ctx, _sources(kc, vc))
         return kc, vc, state
 
     return (jax.jit(off, donate_argnums=(1, 2)), jax.jit(on, donate_argnums=(1, 2, 3)),
@@ -233,8 +186,7 @@ def _batch_arrays(rpi, prefix, extend, r2t, ids, pos, loc):
             "pos": i32(pos), "loc": i32(loc)}
 
 
-def serving_step(bs: int, prefix: int, *, rounds: int, target_s: float, seed: int = 0,
-                 force_minimal: bool = False, model=None) -> dict:
+def serving_step(bs: int, prefix: int, *, rounds: int, target_s: float, seed: int = 0, model=None) -> dict:
     model = dict(MODEL, **(model or {}))
     rng = np.random.default_rng(seed)
     length = prefix + 1
@@ -248,35 +200,18 @@ def serving_step(bs: int, prefix: int, *, rounds: int, target_s: float, seed: in
     tokens = rng.integers(1, model["vocab"], size=(bs + 1, lp), dtype=np.int32)
     rpi = np.arange(1, bs + 1, dtype=np.int32)
 
-    used, why = "runtime.CanaryEndpoints", None
-    impl = None
-    if not force_minimal:
-        try:
-            impl = _RuntimeCanary(S, bs, bs * prefix)
-        except Exception as e:  # noqa: BLE001
-            why = f"runtime endpoints unusable ({type(e).__name__}: {str(e)[:160]})"
-    if impl is None:
-        impl, used = _MinimalCanary(S, bs, bs * prefix), "minimal (public ops)"
-
+    ep = _endpoints(S, bs, bs * prefix)
     params = _model_params(rng, model)
     d = model["d_model"]
     zeros = lambda: tuple(jnp.zeros((S, d), jnp.float32) for _ in range(model["layers"]))  # noqa: E731
-    off, on, fill = _make_steps(impl, length)
+    off, on, fill = _make_steps(ep, length)
 
     # prefill the prefix (K/V stores + canary records, no attention), for both the on and off caches
     fill_b = _batch_arrays(rpi, np.zeros(bs), np.full(bs, prefix), r2t, tokens[1:, :prefix].reshape(-1),
                            np.tile(np.arange(prefix), bs), r2t[1:, :prefix].reshape(-1))
     step_b = _batch_arrays(rpi, np.full(bs, prefix), np.ones(bs), r2t, tokens[1:, prefix],
                            np.full(bs, prefix), r2t[1:, prefix])
-    try:
-        on_kc, on_vc, state = fill(params, zeros(), zeros(), impl.init_state(), fill_b)
-    except Exception as e:  # noqa: BLE001 — the runtime path broke at trace/run time: fall back once
-        if isinstance(impl, _MinimalCanary):
-            raise
-        why = f"runtime endpoints failed ({type(e).__name__}: {str(e)[:160]})"
-        impl, used = _MinimalCanary(S, bs, bs * prefix), "minimal (public ops)"
-        off, on, fill = _make_steps(impl, length)
-        on_kc, on_vc, state = fill(params, zeros(), zeros(), impl.init_state(), fill_b)
+    on_kc, on_vc, state = fill(params, zeros(), zeros(), ep.init_state(), fill_b)
     off_kc = tuple(jnp.array(a, copy=True) for a in on_kc)
     off_vc = tuple(jnp.array(a, copy=True) for a in on_vc)
     st = {"on": (on_kc, on_vc, state), "off": (off_kc, off_vc)}
@@ -295,9 +230,9 @@ def serving_step(bs: int, prefix: int, *, rounds: int, target_s: float, seed: in
 
     res = measure([Contender("canary_off", run_off, kind="baseline"), Contender("canary_on", run_on)],
                   rounds=rounds, target_s=target_s)
-    rows = impl.total(st["on"][2])
+    rows = st["on"][2].log.total()
     return {"bs": bs, "prefix": prefix, "num_slots": S, "verify_entries_per_verify": bs * prefix,
-            "canary": used, **({"canary_note": why} if why else {}),
+            "canary": "runtime.CanaryEndpoints",
             "launches_per_step": "plan + HEAD verify/write K,V + TAIL verify/write K,V (real-KV PARTIAL, layer 0)",
             "off_ms": res["canary_off"].median * 1e3, "on_ms": res["canary_on"].median * 1e3,
             "on_over_off": ratio(res, "canary_off", "canary_on"),

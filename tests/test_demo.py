@@ -1,10 +1,10 @@
 """The demo CLI: a clean default run (under 60 s), every --inject kind detected as specified,
 --mode raise exits non-zero, and argument errors."""
 
+import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -15,13 +15,25 @@ DETECTED = re.compile(r"^  detected           step (\d+) \((\d+) steps? after th
                       re.M)
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def run_cli(*args, timeout=300):
-    """Runs the installed demo as a user would (outside the source tree, so the installed package
-    and its native module are imported)."""
+    """Runs the demo as the README says: ``python -m jax_kvcanary.demo`` from the repository root."""
     t = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "jax_kvcanary.demo", *args], cwd=tempfile.gettempdir(),
+    p = subprocess.run([sys.executable, "-m", "jax_kvcanary.demo", *args], cwd=ROOT,
                        capture_output=True, text=True, timeout=timeout)
     return p, time.perf_counter() - t
+
+
+def test_from_the_repository_root_the_demo_runs_the_native_backend():
+    """The source tree (src/ layout) cannot shadow the installed package, whose native module the
+    demo must use: the header names the backend."""
+    p, _ = run_cli("--steps", "4", "--no-overhead")
+    assert p.returncode == 0, p.stderr[-3000:]
+    header = next(line for line in p.stdout.splitlines() if line.startswith("  canary  "))
+    assert header.endswith(" impl=ffi"), header
+    assert "NativeBackendWarning" not in p.stderr
 
 
 def test_default_run_is_clean_and_fast():

@@ -10,7 +10,6 @@ from jax_kvcanary.consts import LaunchTag as T
 from jax_kvcanary.runtime import (CanaryBatch, CanaryConfig, CanaryEndpoints, Monitor,
                                   bucket_capacity, build_group_sweep_plans, build_sweep_plan,
                                   translate_chains)
-from jax_kvcanary.runtime.toy.kvpool import PrefixCache
 
 
 def test_bucket_capacity():
@@ -47,14 +46,6 @@ def test_group_plans_share_capacity():
     with pytest.raises(ValueError, match="lut"):
         build_group_sweep_plans([(1, 0, -1)], ("SWA",))
 
-
-def test_prefix_cache_chains():
-    pc = PrefixCache()
-    pc.insert([7, 8, 9], [3, 4, 5])
-    nodes = pc.insert([7, 8, 1], [6, 7, 8])      # shares 7, 8 (donor slots 3, 4)
-    assert [n.slot for n in nodes] == [3, 4, 8]
-    assert pc.chains().tolist() == [[3, 0, -1], [4, 1, 3], [5, 2, 4], [8, 2, 4]]
-    assert [n.slot for n in pc.match([7, 8, 2])] == [3, 4]
 
 
 def test_sweep_detects_cached_kv_corruption():

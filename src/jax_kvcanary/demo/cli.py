@@ -20,7 +20,7 @@ import logging
 import sys
 import time
 
-from .runtime import perturb
+from ..runtime import perturb
 
 FAULT_KINDS = perturb.KINDS
 REAL_KV = {"none": "NONE", "partial": "PARTIAL", "all": "ALL"}
@@ -130,11 +130,9 @@ def _ensure_devices(n: int):
 
 
 def _impl_name():
-    try:
-        from . import checks
-        return checks.impl(None)
-    except Exception:  # noqa: BLE001
-        return "default"
+    from .. import backend
+    impl, reason = backend.describe()
+    return impl if reason is None else f"{impl} ({reason})"
 
 
 def _fmt_tag_table(monitor, tags):
@@ -149,8 +147,8 @@ def _fmt_tag_table(monitor, tags):
 def main(argv=None) -> int:
     args = parse_args(argv)
     _ensure_devices(args.devices)
-    from .runtime import CanaryConfig
-    from .runtime.toy import EngineConfig
+    from ..runtime import CanaryConfig
+    from .engine import EngineConfig
 
     t_start = time.perf_counter()
     swa = not args.no_swa
@@ -174,7 +172,7 @@ def main(argv=None) -> int:
 
 
 def _run(args, ecfg, ccfg, bar, handler, lg, t_start):
-    from .runtime.toy import ToyEngine
+    from .engine import ToyEngine
 
     engine = ToyEngine(ecfg, ccfg, record=not args.no_overhead, logger=lg)
     _print_header(args, engine)
@@ -204,7 +202,7 @@ class _Served:
 
 
 def _serve(args, engine, bar) -> _Served:
-    from .runtime import CanaryHealthError, CanaryViolationError
+    from ..runtime import CanaryHealthError, CanaryViolationError
 
     res = _Served()
 
@@ -294,6 +292,3 @@ def _print_summary(args, engine, res, handler, overhead, t_start, t_warm):
         p(str(res.error))
     sys.stdout.flush()
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...inputs import RealKvSource
+from ..inputs import RealKvSource
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config import CanaryConfig
-from ..endpoints import CanaryEndpoints, set_chain_position_assert
-from ..monitor import Monitor
-from ..multidevice import device_mesh, replicate, shard_leading, stack_for_devices
-from ..sweep import build_group_sweep_plans
+from ..runtime.config import CanaryConfig
+from ..runtime.endpoints import CanaryEndpoints, set_chain_position_assert
+from ..runtime.monitor import Monitor
+from ..runtime.multidevice import device_mesh, replicate, shard_leading, stack_for_devices
+from ..runtime.sweep import build_group_sweep_plans
 from . import model as M
 from . import steps
 from .faults import FaultInjectorMixin

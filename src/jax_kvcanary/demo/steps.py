@@ -14,9 +14,9 @@ import functools
 import jax
 from jax.sharding import PartitionSpec as P
 
-from ..config import CanaryConfig
-from ..endpoints import CanaryBatch, CanaryEndpoints
-from ..multidevice import AXIS, device_mesh, global_view, local_view
+from ..runtime.config import CanaryConfig
+from ..runtime.endpoints import CanaryBatch, CanaryEndpoints
+from ..runtime.multidevice import AXIS, device_mesh, global_view, local_view
 from . import model as M
 
 

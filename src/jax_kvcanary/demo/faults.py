@@ -1,5 +1,5 @@
 """Fault injection in the toy engine: finds a target for each kind and applies the pure
-functions of ``runtime.perturb`` at the point of the step that spec §11 names.
+functions of ``runtime.perturb`` at the point of the step that format.md §11 names.
 
 Phases: ``pre`` (before the step: req_to_token swap, real-KV flip on a used slot),
 ``post_forward`` (after TAIL: flip on a slot just written), ``post_sample`` (next-token swap),
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .. import perturb
+from ..runtime import perturb
 
 PHASES = {"req_to_token_swap": "pre", "real_kv_used": "pre", "real_kv_post_forward": "post_forward",
           "next_token_swap": "post_sample", "real_kv_unused_cache": "pre_sweep"}

@@ -1,4 +1,4 @@
-"""End to end on the toy engine: every fault kind is detected (tag, reason, slot, within two
+"""End to end on the demo's toy engine: every fault kind is detected (tag, reason, slot, within two
 steps); clean runs are silent with and without SWA, with prefix sharing and sweeps; raise mode."""
 
 import re
@@ -7,7 +7,8 @@ import pytest
 
 from jax_kvcanary.consts import LaunchTag as T
 from jax_kvcanary.runtime import CanaryConfig, CanaryViolationError
-from jax_kvcanary.runtime.toy import EngineConfig, ToyEngine
+from jax_kvcanary.demo import EngineConfig, ToyEngine
+from jax_kvcanary.demo.kvpool import PrefixCache
 
 INJECT_STEP = 10
 
@@ -127,3 +128,12 @@ def test_warmup_with_chain_assert_on_would_report():
     eng.warmup(chain_assert_during_warmup=True)
     rows = eng.cstate.log.rows()
     assert len(rows) and {int(r[7]) for r in rows} == {16}   # write_position only
+
+
+def test_prefix_cache_chains():
+    pc = PrefixCache()
+    pc.insert([7, 8, 9], [3, 4, 5])
+    nodes = pc.insert([7, 8, 1], [6, 7, 8])      # shares 7, 8 (donor slots 3, 4)
+    assert [n.slot for n in nodes] == [3, 4, 8]
+    assert pc.chains().tolist() == [[3, 0, -1], [4, 1, 3], [5, 2, 4], [8, 2, 4]]
+    assert [n.slot for n in pc.match([7, 8, 2])] == [3, 4]
