@@ -105,3 +105,26 @@ def fail_reason_label(bit: int) -> str:
         return f"bit{bit.bit_length() - 1}"
     name = known[bit].lower()
     return name[: -len("_mismatch")] if name.endswith("_mismatch") else name
+
+
+def tag_name(kind: int) -> str:
+    """``LaunchTag`` name for 0..11, else ``unknown({kind})``."""
+    try:
+        return LaunchTag(int(kind)).name
+    except ValueError:
+        return f"unknown({int(kind)})"
+
+
+def reason_labels(bits: int) -> list:
+    """Labels of the set bits of a u64 fail-reason word, ascending; ``['none']`` when no bit is set."""
+    bits = int(bits) & ((1 << 64) - 1)
+    labels = [fail_reason_label(1 << j) for j in range(64) if bits >> j & 1]
+    return labels or ["none"]
+
+
+def index_kind_label(code: int) -> str:
+    """Lower-cased ``IndexKind`` name, else ``unknown({code})``."""
+    try:
+        return IndexKind(int(code)).name.lower()
+    except ValueError:
+        return f"unknown({int(code)})"

@@ -70,11 +70,24 @@ def source_row_bytes(array) -> int:
 
 @jax.tree_util.register_pytree_node_class
 class RealKvSource:
-    """One live KV array to fingerprint, with its slot addressing.
+    """One live KV array to fingerprint, with its slot addressing (docs/format.md §4.4).
 
-    ``array``: any dtype of >= 8 bits, >= 2-D; row ``r`` is the bytes of ``array[r]``.
-    Slot ``s`` reads bytes ``[(s % page_size) * num_bytes_per_token, + eff)`` of row ``s // page_size``,
-    with ``eff = 16`` (PARTIAL) or ``read_bytes`` (ALL).
+    Slot ``s`` reads ``eff`` bytes at ``(s % page_size) * num_bytes_per_token`` of row
+    ``s // page_size``, with ``eff = 16`` (PARTIAL) or ``read_bytes`` (ALL). A pytree whose only
+    child is ``array``; the three ints are static.
+
+    Args:
+      array: the live KV buffer, a jax.Array of any dtype of >= 8 bits with >= 2 dimensions; row
+        ``r`` is the bytes of ``array[r]`` (row-major), a multiple of 16 bytes. For example layer 0's
+        K of a paged cache ``[num_pages, page_size, heads, head_dim]``.
+      page_size: slots per row (>= 1).
+      num_bytes_per_token: bytes between consecutive slots of a row, a positive multiple of 16;
+        ``page_size * num_bytes_per_token`` must fit in a row.
+      read_bytes: bytes per slot folded in ALL mode, a multiple of 16 in ``(0, num_bytes_per_token]``.
+
+    Raises:
+      TypeError, ValueError: a ``kv-canary:`` message naming the field, the expected and the actual
+        value (the upstream texts).
     """
 
     def __init__(self, array, page_size, num_bytes_per_token, read_bytes):

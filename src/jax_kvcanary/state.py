@@ -5,6 +5,8 @@ All 64-bit quantities live in uint8 arrays (little-endian), so nothing here need
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,18 +42,84 @@ def _le_int64(arr) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(arr)).view("<i8").astype(np.int64)
 
 
+_U64 = (1 << 64) - 1
+_WRITE_BITS = int(consts.FailReason.WRITE_TOKEN_MISMATCH | consts.FailReason.WRITE_POSITION_MISMATCH)
+_OOB_BIT = int(consts.FailReason.INDEX_OUT_OF_RANGE)
+
+
+class ViolationRow(NamedTuple):
+    """One ring row, decoded (docs/format.md §3.2). ``kind`` says how to read columns 4 to 6.
+
+    Attributes:
+      index: the row's place in the ring (0 = the first violation ever recorded).
+      tag: the launch tag's name (``"TAIL_K_FULL"``), or ``"unknown(k)"``.
+      kind: ``"verify"``, ``"write"`` (the write input or chain-position assert) or
+        ``"index_out_of_range"``.
+      reasons: the fail-reason labels of the set bits, ascending (``("verify_chain_hash",
+        "verify_position")``).
+      slot: the canary slot (column 1).
+      position: verify: the stored position; write: the input position; index_out_of_range: the
+        entry's position (-1 for a write seed).
+      stored_token: verify: the stored token; write: the input token; index_out_of_range: the input
+        token (write) or -1.
+      expected_token: verify: the plan's token (-1 = not checked); write: the expected token;
+        index_out_of_range: the out-of-range index value.
+      stored_chain_hash: verify: the stored prev_hash; write: the chain hash being stored (u64);
+        index_out_of_range: the ``IndexKind`` code.
+      expected_aux: verify: the expected prev_hash (u64); write: the expected position;
+        index_out_of_range: the exclusive bound that was violated.
+      index_kind: index_out_of_range rows: which index (``"write_slot"``, ``"verify_prev"``,
+        ``"real_kv_source_2"``, ...); None for the other kinds.
+      fail_bits: column 7, the raw ``FailReason`` bits.
+    """
+
+    index: int
+    tag: str
+    kind: str
+    reasons: tuple
+    slot: int
+    position: int
+    stored_token: int
+    expected_token: int
+    stored_chain_hash: int
+    expected_aux: int
+    index_kind: Optional[str]
+    fail_bits: int
+
+
+def decode_row(row, index: int = 0) -> ViolationRow:
+    """A ring row (8 int64, docs/format.md §3.2) as a ``ViolationRow``; ``index`` is its ring row."""
+    k, slot, pos, st, et, h, a, bits = (int(v) for v in row)
+    if bits & _OOB_BIT:
+        kind, index_kind, aux = "index_out_of_range", consts.index_kind_label(h), a
+    elif bits & _WRITE_BITS:
+        kind, index_kind, aux = "write", None, a
+    else:
+        kind, index_kind, aux = "verify", None, a & _U64
+    return ViolationRow(index=int(index), tag=consts.tag_name(k), kind=kind,
+                        reasons=tuple(consts.reason_labels(bits)), slot=slot, position=pos, stored_token=st,
+                        expected_token=et, stored_chain_hash=h & _U64, expected_aux=aux, index_kind=index_kind,
+                        fail_bits=bits)
+
+
 @jax.tree_util.register_pytree_node_class
 class ViolationLog(FieldsPytree):
-    """Device-side violation log shared by every launch of a step.
+    """Device-side violation log shared by every launch of a step (a pytree; docs/format.md §3.3, §5).
 
-    Fields (device arrays):
-      ring                          uint8[cap, 64]      rows of 8 little-endian int64
-      write_index                   int32[1]            violations ever recorded (saturating)
-      kernel_run_counters           uint8[num_tags, 8]  little-endian int64 per tag
-      slot_run_counters             uint8[num_tags, 8]  little-endian int64 per tag
-      enable_chain_position_assert  int32[1]            != 0 enables write's chain-position assert
+    Args:
+      ring: ``uint8[cap, 64]``, rows of 8 little-endian int64 (fill-once: row 0 is the first
+        violation ever recorded).
+      write_index: ``int32[1]``, violations ever recorded (saturating at ``2**31 - 1``; more than
+        ``cap`` means the ring overflowed).
+      kernel_run_counters: ``uint8[num_tags, 8]``, launches per tag (little-endian int64).
+      slot_run_counters: ``uint8[num_tags, 8]``, entries processed per tag.
+      enable_chain_position_assert: ``int32[1]``; non-zero enables write's chain-position assert
+        (the runtime sets 0 during warm-up; a buffer value, so no recompile).
 
-    The constructor does not validate (pytree unflattening passes placeholders); the ops do.
+    ``ViolationLog.create()`` builds an empty log; the constructor wraps existing arrays (restored
+    or transferred state) and does not validate them (pytree unflattening passes placeholders): the
+    ops do. The host accessors (``total``, ``rows``, ``violations``, ``kernel_runs``,
+    ``slot_runs``) block on the device.
     """
 
     _FIELDS = ("ring", "write_index", "kernel_run_counters", "slot_run_counters",
@@ -68,7 +136,15 @@ class ViolationLog(FieldsPytree):
     @classmethod
     def create(cls, ring_capacity: int = consts.DEFAULT_RING_CAPACITY,
                num_tags: int = consts.NUM_LAUNCH_TAGS) -> "ViolationLog":
-        """Empty log: zero ring and counters, write_index 0, chain-position assert enabled."""
+        """An empty log: zero ring and counters, write_index 0, chain-position assert enabled.
+
+        Args:
+          ring_capacity: rows of the ring (>= 1).
+          num_tags: counter rows (>= 1; the 12 ``LaunchTag`` values by default).
+
+        Raises:
+          ValueError: a capacity or tag count below 1.
+        """
         ring_capacity = int(ring_capacity)
         num_tags = int(num_tags)
         if ring_capacity < 1:
@@ -102,6 +178,11 @@ class ViolationLog(FieldsPytree):
         """``int64[min(write_index, cap), 8]``: the stored rows, oldest first."""
         n = min(max(self.total(), 0), self.ring_capacity)
         return _le_int64(self.ring)[:n]
+
+    def violations(self) -> list:
+        """The stored rows decoded, oldest first: ``list[ViolationRow]`` (host; blocks). Rows past the
+        ring's capacity were dropped; ``total()`` still counts them."""
+        return [decode_row(r, i) for i, r in enumerate(self.rows())]
 
     def kernel_runs(self) -> np.ndarray:
         """``int64[num_tags]``: launches per tag."""

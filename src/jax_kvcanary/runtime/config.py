@@ -52,23 +52,28 @@ def _subset(name, value, allowed):
 
 @dataclasses.dataclass(frozen=True)
 class CanaryConfig:
-    """How the canary is installed in a serving engine.
+    """How the canary is installed in a serving engine (frozen; checked on construction).
 
-    mode                  'none' (not installed) | 'log' (log each violation, keep serving) |
-                          'raise' (raise ``CanaryViolationError``)
-    real_kv_hash_mode     fingerprint of the real KV bytes at TAIL / SWEEP: NONE | PARTIAL | ALL
-                          (a ``RealKvHashMode``, its int, or its name)
-    ring_capacity         rows of the device-side violation ring (>= 1)
-    sweep_interval        run a SWEEP of the prefix cache every N steps; 0 = no sweeps
-    health_interval       check every N steps that each expected tag ran; 0 = off;
-                          ``None`` = ``max(8, sweep_interval)``. Must be >= sweep_interval when both
-                          are on, so that every health window contains a sweep.
-    stats_interval        log a stats line every N steps; 0 = off
-    token_check           verify stored tokens against the ground-truth token pool
-    write_input_assert    check written tokens/positions against oracle values (oracle runs)
-    halves                which KV halves are watched: subset of ('K', 'V')
-    groups                which attention groups are watched: subset of ('FULL', 'SWA')
-    swa_window_size       the SWA window W; > 0 exactly when 'SWA' is in ``groups``
+    Attributes:
+      mode: ``'none'`` (not installed), ``'log'`` (log each violation, keep serving) or ``'raise'``
+        (raise ``CanaryViolationError``).
+      real_kv_hash_mode: fingerprint of the real KV bytes at TAIL and SWEEP: NONE, PARTIAL or ALL
+        (a ``RealKvHashMode``, its int, or its name).
+      ring_capacity: rows of the device-side violation ring (>= 1).
+      sweep_interval: run a SWEEP of the prefix cache every N steps; 0 = no sweeps.
+      health_interval: check every N steps that each expected tag ran; 0 = off; None =
+        ``max(8, sweep_interval)``. At least ``sweep_interval`` when both are on, so that every
+        health window contains a sweep.
+      stats_interval: log a stats line every N steps; 0 = off.
+      token_check: verify stored tokens against the ground-truth token pool.
+      write_input_assert: check written tokens and positions against oracle values (oracle runs).
+      halves: the KV halves watched, a subset of ``('K', 'V')``.
+      groups: the attention groups watched, a subset of ``('FULL', 'SWA')``.
+      swa_window_size: the SWA window W; > 0 exactly when ``'SWA'`` is in ``groups``.
+
+    Raises:
+      TypeError, ValueError: a ``kv-canary:`` message naming the field, when a value is of the
+        wrong type or out of range, or when the fields contradict each other.
     """
 
     mode: str = "log"

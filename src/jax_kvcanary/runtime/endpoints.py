@@ -1,6 +1,6 @@
 """The endpoint bundle: HEAD / TAIL / SWEEP canary launches inside the user's jitted step.
 
-Usage inside a jitted, donated serving step (spec §11)::
+Usage inside a jitted, donated serving step (format.md §11)::
 
     state, ctx = endpoints.head(state, batch)          # plan, then verify + write per group / half
     kv = model_forward(...)                            # attention writes this step's K/V
@@ -101,7 +101,7 @@ class GroupPlan(NamedTuple):
 
 
 def translate_slots(lut, x):
-    """``lut[x]`` where ``0 <= x < len(lut)``, else -1 (spec §9.3 rule ``T``). Same dtype as ``x``."""
+    """``lut[x]`` where ``0 <= x < len(lut)``, else -1 (format.md §9.3 rule ``T``). Same dtype as ``x``."""
     n = lut.shape[0]
     ok = (x >= 0) & (x < n)
     return jnp.where(ok, jnp.take(lut, jnp.clip(x, 0, n - 1)).astype(x.dtype), jnp.asarray(-1, x.dtype))
@@ -142,12 +142,25 @@ def set_chain_position_assert(state: CanaryState, enabled: bool) -> CanaryState:
 
 
 class CanaryEndpoints:
-    """Static description of the canary endpoints of one engine, plus the in-step functions.
+    """The canary endpoints of one engine: its static shape, and the functions that run inside the
+    engine's jitted step (``head`` before attention, ``tail`` after the forward, ``sweep``).
 
-    ``num_slots``: slots of the FULL KV pool (canary rows). ``write_req_capacity``: the batch-row
-    bucket B. ``verify_capacity``: verify entries per FULL plan (``B * max_seq_len`` never
-    overflows). SWA (when ``'SWA'`` is in ``config.groups``): ``swa_num_slots`` and
-    ``swa_verify_capacity`` (default ``B * swa_window_size``).
+    Args:
+      config: the ``CanaryConfig``.
+      num_slots: slots of the FULL KV pool (one canary record each).
+      write_req_capacity: the batch-row bucket ``B`` of the engine's compiled step (>= 1).
+      verify_capacity: verify entries per FULL plan; ``B * max_seq_len`` never overflows (a step with
+        more entries skips its verify, counted, and still writes).
+      swa_num_slots: slots of the SWA pool; required when ``config.groups`` has ``'SWA'``.
+      swa_verify_capacity: verify entries per SWA plan (default ``B * swa_window_size``).
+      slot_stride_bytes: bytes per canary record (>= 32, a multiple of 8).
+
+    Raises:
+      TypeError, ValueError: a ``kv-canary:`` message for a bad config or size.
+
+    State: ``init_state()`` returns the ``CanaryState`` (one ``uint8[num_slots, stride]`` canary per
+    watched HEAD/TAIL tag, the shared ``ViolationLog``, and the written-slot counters) that the step
+    threads through ``head`` / ``tail`` / ``sweep``; donate it with the KV cache so nothing is copied.
     """
 
     def __init__(self, config: CanaryConfig, *, num_slots: int, write_req_capacity: int,
@@ -263,7 +276,14 @@ class CanaryEndpoints:
     def head(self, state: CanaryState, batch: CanaryBatch):
         """Before attention: plan, then per group and half a HEAD verify + write (no real-KV).
 
-        Returns ``(state, ctx)``; pass ``ctx`` to ``tail``. With mode 'none' nothing runs.
+        Args:
+          state: the ``CanaryState``.
+          batch: the step's ``CanaryBatch`` (int32/int64 arrays: ``req_pool_indices [B]``,
+            ``prefix_lens [B]``, ``extend_seq_lens [B]``, ``req_to_token [R, L]``, ``input_ids [N]``,
+            ``positions [N]``, ``out_cache_loc [N]``, and the optional token pool / LUT fields).
+
+        Returns:
+          ``(state, ctx)``; pass ``ctx`` to ``tail``. With mode ``'none'`` nothing runs.
         """
         ctx = (self.plan(batch), batch)
         for g in self.groups:
@@ -271,9 +291,18 @@ class CanaryEndpoints:
         return state, ctx
 
     def tail(self, state: CanaryState, ctx, real_kv: Optional[Mapping] = None) -> CanaryState:
-        """After the forward: per group and half a TAIL verify + write on the tail canary, with
-        the real-KV fingerprints of ``real_kv[group][half]`` (a ``RealKvSource`` or a tuple of
-        up to 4; the post-forward KV arrays, e.g. layer 0 of the group)."""
+        """After the forward: per group and half a TAIL verify + write on the tail canary.
+
+        Args:
+          state: the ``CanaryState`` returned by ``head``.
+          ctx: the ``ctx`` returned by ``head``.
+          real_kv: ``{group: {half: source}}``: a ``RealKvSource`` or a tuple of up to 4, addressing
+            the post-forward KV arrays (e.g. layer 0's K and V of the group), fingerprinted with
+            ``config.real_kv_hash_mode``. Missing entries mean no fingerprint for that half.
+
+        Returns:
+          The updated ``CanaryState``.
+        """
         plans, batch = ctx
         real_kv = real_kv or {}
         for g in self.groups:
@@ -283,8 +312,16 @@ class CanaryEndpoints:
 
     def sweep(self, state: CanaryState, plans: Mapping, real_kv: Optional[Mapping] = None
               ) -> CanaryState:
-        """A SWEEP: verify ``plans[group]`` (a ``VerifyPlan``, see ``sweep.build_sweep_plan``)
-        against the tail canaries with the SWEEP tags, with real-KV sources, no token check."""
+        """A SWEEP of cached slots against the tail canaries (SWEEP tags, real-KV, no token check).
+
+        Args:
+          state: the ``CanaryState``.
+          plans: ``{group: VerifyPlan}``, e.g. from ``sweep.build_group_sweep_plans``.
+          real_kv: as for ``tail``.
+
+        Returns:
+          The updated ``CanaryState``.
+        """
         kvc = _kvc()
         real_kv = real_kv or {}
         log = state.log

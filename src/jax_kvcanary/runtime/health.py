@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .errors import CanaryHealthError
-from .report import tag_name
+from ..consts import tag_name
 
 
 class HealthCheck:

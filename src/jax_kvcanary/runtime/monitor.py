@@ -1,4 +1,4 @@
-"""``Monitor``: the host side of the canary, with a one-step readback lag (spec §10).
+"""``Monitor``: the host side of the canary, with a one-step readback lag (format.md §10).
 
 Call ``monitor.step(state)`` once per serving step, right after the step returns (before the next
 step donates the state). It
@@ -31,7 +31,8 @@ from .config import CanaryConfig
 from .endpoints import CanaryState
 from .errors import CanaryViolationError
 from .health import HealthCheck
-from .report import format_report, reason_labels, tag_name
+from ..consts import reason_labels, tag_name
+from .report import format_report
 from .stats import CounterSnapshot, format_stats_line
 
 LOGGER = logging.getLogger("jax_kvcanary")
@@ -89,12 +90,23 @@ def _snapshot(write_index, kernel_runs, slot_runs, written):
 
 
 class Monitor:
-    """Host-side readback of a ``CanaryState`` (or a bare ``ViolationLog``).
+    """Host-side readback of a ``CanaryState`` (or a bare ``ViolationLog``), one step behind.
 
-    mode             'log' | 'raise' | 'none' (does nothing)
-    health_interval  steps between health checks (0 = off); ``expected_tags`` the tags checked
-    stats_interval   steps between INFO stats lines (0 = off); ``stats_tags`` the tags listed
-    logger           where reports go (default ``logging.getLogger('jax_kvcanary')``)
+    Call ``step(state)`` right after each serving step: it starts an async device-to-host copy of
+    the counters and decodes the copy started by the previous call, so the step never waits for
+    the host and a violation of step T is reported after step T+1 (docs/format.md §10).
+
+    Args:
+      mode: ``'log'`` (one WARNING per new row; serving continues), ``'raise'``
+        (``CanaryViolationError`` with every new row, then nothing more) or ``'none'``.
+      health_interval: steps between health checks (0 = off).
+      expected_tags: the launch tags the health check requires to have run.
+      stats_interval: steps between INFO stats lines (0 = off).
+      stats_tags: the tags a stats line lists (default ``expected_tags``).
+      logger: where reports go (default ``logging.getLogger('jax_kvcanary')``).
+
+    Raises:
+      ValueError: an unknown ``mode``.
 
     A state whose arrays carry a leading device axis (``write_index`` of shape ``[D, 1]``, see
     ``runtime.multidevice``) is decoded per device and each report gets a ``device=`` line.
@@ -126,7 +138,16 @@ class Monitor:
 
     # -- per step -----------------------------------------------------------------------------------
     def step(self, state) -> List[Violation]:
-        """Start the readback of ``state`` and report what the previous call's readback found."""
+        """Start the readback of ``state`` and report what the previous call's readback found.
+
+        Returns:
+          The new violations (``list[Violation]``), already logged in mode ``'log'``.
+
+        Raises:
+          CanaryViolationError: mode ``'raise'`` and new rows were found.
+          CanaryHealthError: a health check found an expected tag whose counter did not move.
+          TypeError: ``state`` is neither a ``CanaryState`` nor a ``ViolationLog``.
+        """
         if self.mode == "none" or self.stopped:
             return []
         self.steps += 1

@@ -1,8 +1,8 @@
-"""Fault injection: pure functions that inject each upstream fault kind (spec §11).
+"""Fault injection: pure functions that inject each upstream fault kind (format.md §11).
 
 Each function returns the corrupted copy of what it changes (the input is left as it was) and a
 ``Fault`` saying what changed and which tag / reason must fire, so tests can assert the exact
-detection. Apply them between steps, as the table of spec §11 says.
+detection. Apply them between steps, as the table of format.md §11 says.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 
 from ..consts import FailReason, LaunchTag
 from .config import launch_tag
-from .report import fail_reason_label
+from ..consts import fail_reason_label
 
 KINDS = ("req_to_token_swap", "real_kv_used", "real_kv_unused_cache", "real_kv_post_forward",
          "next_token_swap")
@@ -109,7 +109,7 @@ def _flip_jax(arr, *, row, elem, byte, mask, device):
 
 def flip_kv_byte(kv, slot: int, *, page_size: int, num_bytes_per_token: int, byte: int = 0,
                  mask: int = 0xFF, device: Optional[int] = None):
-    """XOR ``mask`` into byte ``byte`` of slot ``slot``'s strip of a KV array (spec §4.4 addressing:
+    """XOR ``mask`` into byte ``byte`` of slot ``slot``'s strip of a KV array (format.md §4.4 addressing:
     row ``slot // page_size``, byte ``(slot % page_size) * num_bytes_per_token + byte`` of
     ``kv[row]``). With ``device``, ``kv`` has a leading device axis and ``kv[device]`` is changed.
 

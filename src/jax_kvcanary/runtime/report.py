@@ -1,7 +1,7 @@
-"""The violation report text (spec §10) and a parser for its first line.
+"""The violation report text (format.md §10) and a parser for its first line.
 
 A ring row is ``int64[8]``: ``[kernel_kind, slot_idx, position, stored_token, expected_token,
-stored_chain_hash, expected_aux, fail_reason_bits]`` (spec §3.2). ``format_report`` renders one row;
+stored_chain_hash, expected_aux, fail_reason_bits]`` (format.md §3.2). ``format_report`` renders one row;
 the text is upstream's byte for byte for upstream rows. Line 1 is frozen for log parsers:
 ``kv_canary violation: launch_tag=(\\S+) fail_reason=(\\S+)``.
 """
@@ -12,12 +12,12 @@ import dataclasses
 import re
 from typing import Optional, Sequence
 
-from ..consts import FailReason, IndexKind, LaunchTag, fail_reason_label
+from ..consts import FailReason, LaunchTag, index_kind_label, reason_labels, tag_name
 
 _U64 = (1 << 64) - 1
 _WRITE_BITS = int(FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH)
 
-#: The frozen regex of upstream log parsers (spec §10): groups are the tag and the fail reasons.
+#: The frozen regex of upstream log parsers (format.md §10): groups are the tag and the fail reasons.
 REPORT_LINE_RE = re.compile(r"kv_canary violation: launch_tag=(\S+) fail_reason=(\S+)")
 
 _FULL_LINE_RE = re.compile(
@@ -33,12 +33,6 @@ def hex64(value: int) -> str:
     return f"{int(value) & _U64:#018x}"
 
 
-def tag_name(kind: int) -> str:
-    """``LaunchTag`` name for 0..11, else ``unknown({kind})``."""
-    try:
-        return LaunchTag(int(kind)).name
-    except ValueError:
-        return f"unknown({int(kind)})"
 
 
 def canary_kind(kind: int) -> str:
@@ -50,19 +44,8 @@ def canary_kind(kind: int) -> str:
     return name if name.startswith("sweep_") else "per_forward_" + name
 
 
-def reason_labels(bits: int) -> list:
-    """Labels of the set bits of a u64 fail-reason word, ascending; ``['none']`` when no bit is set."""
-    bits = int(bits) & _U64
-    labels = [fail_reason_label(1 << j) for j in range(64) if bits >> j & 1]
-    return labels or ["none"]
 
 
-def index_kind_label(code: int) -> str:
-    """Lower-cased ``IndexKind`` name, else ``unknown({code})``."""
-    try:
-        return IndexKind(int(code)).name.lower()
-    except ValueError:
-        return f"unknown({int(code)})"
 
 
 def format_first_line(row: Sequence[int]) -> str:

@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from .. import consts
-from .report import tag_name
+from ..consts import tag_name
 
 
 @dataclasses.dataclass
