@@ -1,4 +1,4 @@
-"""``python -m bench``: the jax_kvcanary benchmark suite (issue 5).
+"""``python -m bench``: the jax_kvcanary benchmark suite.
 
 Sections (all by default, or ``--sections``):
   sweep     per-op throughput vs entries (bs=32) for every backend and baseline -> the plot

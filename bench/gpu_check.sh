@@ -15,11 +15,11 @@
 #   KVC_GPU_BENCH=0          skip the benchmarks
 #   KVC_GPU_SEEDS            seeds per config in tests/test_gpu.py (default 6)
 #
-# Build paths. Both leave the two native modules (_kvcanary, _kvcanary_cuda) inside jax_kvcanary/ of
-# this tree and run everything with PYTHONPATH=<repo>, so tests and benchmarks use this tree:
-#   pip:   python -m pip install --no-build-isolation --no-deps . (JAX_KVCANARY_CUDA=on); the built
-#          modules are also copied from scikit-build's build folder into the tree.
-#   cmake: cmake -S . -B build/gpu-check -DJAX_KVCANARY_CUDA=on; cmake --build; copy the .so files.
+# Build paths (everything after runs with the repository root on PYTHONPATH, for tests/ and bench/):
+#   pip:   python -m pip install --no-build-isolation --no-deps . (JAX_KVCANARY_CUDA=on): the package
+#          with both native modules is installed; the src/ layout keeps the tree from shadowing it.
+#   cmake: cmake -S . -B build/gpu-check -DJAX_KVCANARY_CUDA=on; cmake --build; the two .so files are
+#          copied into src/jax_kvcanary/ and src/ goes first on PYTHONPATH.
 # Exit status: non-zero if the build, the import check or the GPU tests fail.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -47,23 +47,25 @@ echo "== environment"
 echo "== build (CUDA on, sm_${ARCH//;/,sm_})"
 export JAX_KVCANARY_CUDA=on
 jobs=$(nproc 2>/dev/null || echo 8)
-rm -f jax_kvcanary/_kvcanary*.so
+rm -f src/jax_kvcanary/_kvcanary*.so
 have_pip_tools=0
 "$PY" -c "import nanobind, scikit_build_core" >/dev/null 2>&1 && have_pip_tools=1
 mode=${KVC_GPU_BUILD:-$([ $have_pip_tools = 1 ] && echo pip || echo cmake)}
 t0=$(date +%s)
 built=0
-copy_modules() {  # newest build of each module -> jax_kvcanary/
+pypath="$root"
+copy_modules() {  # newest build of each module -> src/jax_kvcanary/ (the cmake path)
   local m f
   for m in _kvcanary _kvcanary_cuda; do
     f=$(find "$@" -name "$m.*.so" -type f -printf '%T@ %p\n' 2>/dev/null | sort -nr | head -1 | cut -d' ' -f2-)
-    [ -n "$f" ] && cp -f "$f" jax_kvcanary/ || return 1
+    [ -n "$f" ] && cp -f "$f" src/jax_kvcanary/ || return 1
   done
+  pypath="$root/src:$root"
 }
 if [ "$mode" = pip ]; then
   if CMAKE_BUILD_PARALLEL_LEVEL=$jobs timeout 300 "$PY" -m pip install --no-build-isolation --no-deps --no-index \
        -C cmake.define.JAX_KVCANARY_CUDA=on -C "cmake.define.CMAKE_CUDA_ARCHITECTURES=$ARCH" \
-       -C build-dir=build/gpu-check-pip -v . >"$out/build.log" 2>&1 && copy_modules build/gpu-check-pip; then
+       -C build-dir=build/gpu-check-pip -v . >"$out/build.log" 2>&1; then
     built=1
     note "build: pip install --no-build-isolation --no-deps: ok ($(( $(date +%s) - t0 )) s)"
   else
@@ -88,7 +90,7 @@ if [ $built = 0 ]; then
   printf '%s\n' "== summary" "${summary[@]}"
   exit 1
 fi
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$pypath${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the tests start several processes
 
 echo "== import check"
@@ -125,11 +127,11 @@ if [ "${KVC_GPU_SANITIZE:-1}" != 0 ] && command -v compute-sanitizer >/dev/null 
   echo "== compute-sanitizer (memcheck, racecheck) on a few cases"
   cat >"$out/sanitize_cases.py" <<'EOF'
 import os, sys
-sys.path[:0] = [os.environ["KVC_ROOT"], os.path.join(os.environ["KVC_ROOT"], "tests")]
+sys.path[:0] = [os.environ["KVC_ROOT"]]
 import jax
-import test_gpu as T
-from cases import make_case, CONFIGS, x64_scope
-import gpu_cases
+from tests import test_gpu as T
+from tests.support.cases import make_case, CONFIGS, x64_scope
+from tests.support import gpu_cases
 cases = [make_case(op, cfg, 0) for op in CONFIGS for cfg in list(CONFIGS[op])[:3]]
 cases += [gpu_cases.stress_case(n, 0, scale="emu") for n in ("write_conflict_seeds", "verify_heavy", "plan_big")]
 for c in cases:

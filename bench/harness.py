@@ -1,6 +1,6 @@
 """Timing harness: warm-up, calibrated repetitions, interleaved rounds, medians, per-round ratios.
 
-Method (issue 5, item 5): every contender of one measurement point is warmed up (compile + two
+Method: every contender of one measurement point is warmed up (compile + two
 calls), then timed in *rounds*. In each round every contender runs ``reps`` back-to-back calls that end
 with ``block_until_ready``; the contenders' order rotates from round to round, so slow drift of a
 shared machine hits every contender alike. A contender's time is the median over rounds of its

@@ -1,5 +1,5 @@
 """Outputs of a bench run: JSON, a Markdown report, a PNG plot and a README snippet; the acceptance
-checks of issue 5; the bytes-moved model and the measured copy bandwidth (achieved bandwidth)."""
+checks (the targets each op must meet on this machine); the bytes-moved model and the measured copy bandwidth (achieved bandwidth)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-H200_COPY_TBPS = 4.3  # the H200's measured device-to-device copy bandwidth (issue 5, item 7)
+H200_COPY_TBPS = 4.3  # the H200's measured device-to-device copy bandwidth (the roofline of the GPU tables)
 ACCEPT_MIN_ENTRIES = 65536
 
 # Fewest bytes an op must move per entry (each input read once, each output written once):

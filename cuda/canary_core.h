@@ -26,7 +26,7 @@
 
 namespace kvcanary {
 
-// ---- constants (spec §2.1) ---------------------------------------------------------------------
+// ---- constants (format.md §2.1) ---------------------------------------------------------------------
 constexpr uint64_t CANARY_CHAIN_ANCHOR = 0xC0FFEE1234567890ull;
 constexpr uint64_t CANARY_ANCHOR_HASH = 0xDE7FAE23A9A1B716ull;
 constexpr uint64_t SPLITMIX64_MUL1 = 0xBF58476D1CE4E5B9ull;
@@ -64,7 +64,7 @@ constexpr int64_t NUM_LAUNCH_TAGS = 12;
 constexpr int64_t DEFAULT_RING_CAPACITY = 1024;
 constexpr int64_t WRITE_INDEX_MAX = 2147483647;
 
-// ---- enums (spec §2.2-§2.5) --------------------------------------------------------------------
+// ---- enums (format.md §2.2-§2.5) --------------------------------------------------------------------
 enum class FailReason : int64_t {
   VERIFY_CHAIN_HASH_MISMATCH = 1,
   VERIFY_POSITION_MISMATCH = 2,
@@ -110,7 +110,7 @@ enum class IndexKind : int64_t {
 KVC_HD int64_t bits(FailReason r) { return static_cast<int64_t>(r); }
 KVC_HD int64_t code(IndexKind k) { return static_cast<int64_t>(k); }
 
-// ---- hashing (spec §4.1-§4.3) ------------------------------------------------------------------
+// ---- hashing (format.md §4.1-§4.3) ------------------------------------------------------------------
 KVC_HD uint64_t splitmix64(uint64_t x) {
   x = (x ^ (x >> SPLITMIX64_SHIFT1)) * SPLITMIX64_MUL1;
   x = (x ^ (x >> SPLITMIX64_SHIFT2)) * SPLITMIX64_MUL2;
@@ -127,7 +127,7 @@ KVC_HD uint64_t mix3(uint64_t a, uint64_t b, uint64_t c) {
 // ---- little-endian 64-bit loads/stores on byte buffers -----------------------------------------
 // Every 64-bit field the core touches is 8-byte aligned: XLA buffers are at least 16-byte aligned,
 // canary strides are multiples of 8 (checked at trace time), ring rows are 64 bytes, counter rows 8
-// bytes and real-KV chunk offsets multiples of 16 (spec §3, §4.4). On the device a memcpy through a
+// bytes and real-KV chunk offsets multiples of 16 (format.md §3, §4.4). On the device a memcpy through a
 // uint8_t* compiles to eight byte loads, so the device path states that alignment (one 8-byte
 // access); the CUDA launchers check the buffer bases once on the host. Host code keeps memcpy.
 KVC_HD int64_t load_i64(const uint8_t* p) {
@@ -175,7 +175,7 @@ KVC_HD int64_t sub_wrap(int64_t a, int64_t b) {
   return static_cast<int64_t>(static_cast<uint64_t>(a) - static_cast<uint64_t>(b));
 }
 
-// ---- canary records (spec §3.1) ----------------------------------------------------------------
+// ---- canary records (format.md §3.1) ----------------------------------------------------------------
 struct Record {
   int64_t token, position, prev_hash, real_kv_hash;
 };
@@ -205,7 +205,7 @@ struct CanaryView {
   }
 };
 
-// ---- real-KV sources (spec §4.4) ---------------------------------------------------------------
+// ---- real-KV sources (format.md §4.4) ---------------------------------------------------------------
 struct RealKvSourceView {
   const uint8_t* data;  // rows x row_bytes, row-major
   int64_t rows;
@@ -215,7 +215,7 @@ struct RealKvSourceView {
   int64_t read_bytes;
 };
 
-// A source view that is safe to address (spec §4.4). The Python checks guarantee page_size >= 1,
+// A source view that is safe to address (format.md §4.4). The Python checks guarantee page_size >= 1,
 // 16 | eff <= num_bytes_per_token and page_size * num_bytes_per_token <= row_bytes, so every strip of
 // a slot with row < rows lies inside the buffer. Geometry that breaks them anyway (never produced by
 // the Python checks) would reach past a row: it gets zero rows, so every slot is unaddressable (an
@@ -277,7 +277,7 @@ struct RealKvSources {
   }
 };
 
-// ---- violation rows (spec §3.2, §5.3) ----------------------------------------------------------
+// ---- violation rows (format.md §3.2, §5.3) ----------------------------------------------------------
 struct Row {
   int64_t v[VIOLATION_FIELDS];
 };
@@ -297,7 +297,7 @@ KVC_HD void store_row(uint8_t* ring, int64_t index, const Row& row) {
   for (int c = 0; c < VIOLATION_FIELDS; ++c) store_i64(p + 8 * c, row.v[c]);
 }
 
-// Fill-once append (spec §5.1): row k of a launch goes to base + k when that is inside the ring.
+// Fill-once append (format.md §5.1): row k of a launch goes to base + k when that is inside the ring.
 struct RingAppender {
   uint8_t* ring;
   int64_t capacity;
@@ -316,19 +316,19 @@ struct RowCounter {
   KVC_HD void operator()(const Row&) { ++count; }
 };
 
-// write_index after a launch that produced n rows: saturating at 2^31-1 (spec §5.1).
+// write_index after a launch that produced n rows: saturating at 2^31-1 (format.md §5.1).
 KVC_HD int32_t next_write_index(int64_t base, int64_t n) {
   const int64_t sum = add_wrap(base, n);
   return static_cast<int32_t>(sum > WRITE_INDEX_MAX ? WRITE_INDEX_MAX : sum);
 }
 
-// Per-tag little-endian int64 counter, wrap-around add (spec §6).
+// Per-tag little-endian int64 counter, wrap-around add (format.md §6).
 KVC_HD void counter_add(uint8_t* counters, int64_t tag, int64_t delta) {
   uint8_t* p = counters + tag * COUNTER_BYTES;
   store_i64(p, add_wrap(load_i64(p), delta));
 }
 
-// ---- VERIFY: one entry (spec §8.3) -------------------------------------------------------------
+// ---- VERIFY: one entry (format.md §8.3) -------------------------------------------------------------
 struct VerifyArgs {
   CanaryView canary;
   IndexView slots, tokens, positions, prevs;
@@ -380,7 +380,7 @@ KVC_HD void verify_entry(const VerifyArgs& a, int64_t e, Emit& emit) {
   if (fail) emit(make_row(a.tag, slot, st.position, st.token, etok, st.prev_hash, exp_chain, fail));
 }
 
-// ---- WRITE: one request (spec §7.3) ------------------------------------------------------------
+// ---- WRITE: one request (format.md §7.3) ------------------------------------------------------------
 struct WriteArgs {
   CanaryView canary;
   IndexView seeds, input_ids, positions, locs, exp_tokens, exp_positions;
@@ -394,7 +394,7 @@ KVC_HD int64_t write_active(int64_t num_valid_reqs, int64_t capacity) {
   return clamp64(num_valid_reqs, 0, capacity);
 }
 
-// Monotone clamp of the offsets: o[k] = clamp(max(offsets[0..k]), 0, N) (spec §7.3); this form lets
+// Monotone clamp of the offsets: o[k] = clamp(max(offsets[0..k]), 0, N) (format.md §7.3); this form lets
 // a launcher compute it with a prefix-max scan.
 KVC_HD int64_t clamp_offset(int64_t running_max, int64_t num_tokens) { return clamp64(running_max, 0, num_tokens); }
 
@@ -487,7 +487,7 @@ KVC_HD int64_t write_request(const WriteArgs& a, int64_t r, int64_t lo, int64_t 
   return written;
 }
 
-// ---- PLAN: one batch row and its entries (spec §9.3) -------------------------------------------
+// ---- PLAN: one batch row and its entries (format.md §9.3) -------------------------------------------
 struct PlanArgs {
   IndexView req_pool_indices, prefix_lens, extend_seq_lens;
   IndexView req_to_token;  // [R, L]
@@ -559,7 +559,7 @@ KVC_HD PlanEntry plan_entry(const PlanArgs& a, const PlanRow& row, int64_t r, in
 }
 
 // ---- launch views: the buffers of one launch, as both launchers (CPU, CUDA) take them ------------
-// The violation log of a verify / write launch (spec §3.3).
+// The violation log of a verify / write launch (format.md §3.3).
 struct LogView {
   uint8_t* ring;  // [capacity, 64]
   int64_t capacity;
@@ -568,7 +568,7 @@ struct LogView {
   uint8_t* slot_counters;    // [num_tags, 8]
 };
 
-// The outputs of a plan launch (spec §9.2), all int32.
+// The outputs of a plan launch (format.md §9.2), all int32.
 struct PlanOut {
   int32_t *slots, *tokens, *positions, *prevs;  // [vcap]
   int32_t *num_valid, *enable;                  // [1]
@@ -583,7 +583,7 @@ struct ScratchView {
   size_t bytes;
 };
 
-// ---- scatter_req_token_ids: one batch row (spec §9.5) ------------------------------------------
+// ---- scatter_req_token_ids: one batch row (format.md §9.5) ------------------------------------------
 // Number of leading ids of row r to copy (0 = skip the row).
 KVC_HD int64_t scatter_row_len(int64_t start, int64_t end, int64_t rp, int64_t Rp, int64_t Cp) {
   const int64_t n0 = sub_wrap(end, start);

@@ -43,7 +43,7 @@ void verify_entries(VerifyArgs a, int64_t active, RingAppender& emit) {
   }
 }
 
-// VERIFY launch (spec §8.3). `capacity` = V; num_valid / enable are the plan's int32[1] values.
+// VERIFY launch (format.md §8.3). `capacity` = V; num_valid / enable are the plan's int32[1] values.
 inline void verify_launch(const VerifyArgs& a, int64_t capacity, int32_t num_valid, int32_t enable,
                           const LogView& log) {
   counter_add(log.kernel_counters, a.tag, 1);
@@ -60,7 +60,7 @@ inline void verify_launch(const VerifyArgs& a, int64_t capacity, int32_t num_val
   if (emit.count) log.write_index[0] = next_write_index(emit.base, emit.count);
 }
 
-// WRITE launch (spec §7.3): requests in order, each over its monotone-clamped offset range.
+// WRITE launch (format.md §7.3): requests in order, each over its monotone-clamped offset range.
 inline void write_launch(const WriteArgs& a, IndexView offsets, int64_t capacity, int32_t num_valid_reqs,
                          int64_t num_tokens, const LogView& log) {
   counter_add(log.kernel_counters, a.tag, 1);
@@ -80,7 +80,7 @@ inline void write_launch(const WriteArgs& a, IndexView offsets, int64_t capacity
   if (emit.count) log.write_index[0] = next_write_index(emit.base, emit.count);
 }
 
-// PLAN launch (spec §9.3): every output element is written; bs <= wcap is checked in Python.
+// PLAN launch (format.md §9.3): every output element is written; bs <= wcap is checked in Python.
 inline void plan_launch(const PlanArgs& a, int64_t bs, int64_t vcap, int64_t wcap, const PlanOut& out) {
   std::memset(out.slots, 0, vcap * sizeof(int32_t));
   std::memset(out.tokens, 0, vcap * sizeof(int32_t));
@@ -99,7 +99,7 @@ inline void plan_launch(const PlanArgs& a, int64_t bs, int64_t vcap, int64_t wca
   }
   const bool enable = total <= vcap;
   // Entries [0, total) only: with int64 inputs the wrap-around sum can be < 0 or smaller than the
-  // sum of a prefix of rows (spec §9.3), so the bound is total, not vcap.
+  // sum of a prefix of rows (format.md §9.3), so the bound is total, not vcap.
   const int64_t num_entries = total < vcap ? total : vcap;
   if (enable) {
     int64_t flat = 0;
@@ -119,7 +119,7 @@ inline void plan_launch(const PlanArgs& a, int64_t bs, int64_t vcap, int64_t wca
   out.num_valid_reqs[0] = static_cast<int32_t>(bs);
 }
 
-// scatter_req_token_ids (spec §9.5): rows in order, so a later row wins on shared cells.
+// scatter_req_token_ids (format.md §9.5): rows in order, so a later row wins on shared cells.
 template <typename T>
 void scatter_launch(T* pool, int64_t Rp, int64_t Cp, IndexView flat, int64_t total, IndexView offsets,
                     IndexView req_pool_indices, int64_t bs) {

@@ -5,8 +5,8 @@
 // the CPU emulation harness (tests/cuda_emu), which compiles this file with g++.
 //
 // Semantics are those of the sequential CPU launchers (cpu_launchers.h), byte for byte:
-//   * ring rows in (request, entry) order (spec §5.2): count pass -> scan -> write pass at base+prefix;
-//   * write launches behave as if requests ran one after another (spec §7.4): a conflict detector
+//   * ring rows in (request, entry) order (format.md §5.2): count pass -> scan -> write pass at base+prefix;
+//   * write launches behave as if requests ran one after another (format.md §7.4): a conflict detector
 //     (hash set of the target slots) picks, on the device, either the parallel fast path or a
 //     single-block path that processes the requests in order;
 //   * no host sync, no host read of device data, no device allocation: scratch is handed in (the FFI
@@ -86,7 +86,7 @@ __device__ __forceinline__ int64_t block_scan_excl(int64_t v, Op op, int64_t ide
 }
 
 // ================================================================================================
-// VERIFY (spec §8.3): one thread per entry, each block owning a contiguous chunk of entries.
+// VERIFY (format.md §8.3): one thread per entry, each block owning a contiguous chunk of entries.
 //   verify_count_kernel: rows per block (verify_entry with a RowCounter; hashes evaluated).
 //   verify_emit_kernel:  block 0 updates the counters and write_index; every block with rows
 //                        re-evaluates its chunk tile by tile, scans the per-entry counts and emits
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const __gri
 }
 
 // ================================================================================================
-// WRITE (spec §7.3, §7.4). Five stream operations, all always issued (graph-safe, no host sync):
+// WRITE (format.md §7.3, §7.4). Five stream operations, all always issued (graph-safe, no host sync):
 //   memset     the conflict hash set to EMPTY;
 //   prep       (1 block)  monotone-clamped offsets o[0..active];
 //   count      (block per request) rows per request (write_seed / write_entry_rows with a
@@ -464,7 +464,7 @@ __global__ void __launch_bounds__(kWriteThreads) write_main_kernel(const __grid_
 }
 
 // ================================================================================================
-// PLAN (spec §9.3): two launches.
+// PLAN (format.md §9.3): two launches.
 //   plan_rows_kernel (1 block): plan_row per batch row; wrap-scan of wlen -> offsets; seeds; the
 //       wrap sum of vlen -> num_valid / enable; a saturating scan of vlen -> vstart (entry layout).
 //   plan_entries_kernel (grid): entry f -> owning row by binary search on vstart -> plan_entry; the
@@ -512,7 +512,7 @@ __global__ void __launch_bounds__(kOneBlockThreads) plan_rows_kernel(const __gri
     const int64_t total = carry_total;
     const bool enable = total <= L.vcap;
     L.vstart[L.bs] = carry_start;
-    // Entries [0, total) are filled when enabled (spec §9.3); total <= vcap then.
+    // Entries [0, total) are filled when enabled (format.md §9.3); total <= vcap then.
     *L.filled = enable ? imax(total, 0) : 0;
     L.out.offsets[0] = 0;
     L.out.num_valid[0] = static_cast<int32_t>(total < L.vcap ? total : L.vcap);
@@ -553,7 +553,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_entries_kernel(const __grid
 }
 
 // ================================================================================================
-// scatter_req_token_ids (spec §9.5): one thread per pool column, looping over the batch rows in
+// scatter_req_token_ids (format.md §9.5): one thread per pool column, looping over the batch rows in
 // order (staged through shared memory), so a later row wins on every cell without races.
 // ================================================================================================
 constexpr int kScatterThreads = KVC_SCATTER_THREADS;

@@ -1,4 +1,4 @@
-"""consts.py is the one Python source of truth; cuda/canary_core.h must mirror every value (spec §2)."""
+"""consts.py is the one Python source of truth; cuda/canary_core.h must mirror every value (format.md §2)."""
 
 import pathlib
 import re

@@ -1,4 +1,4 @@
-"""Donation safety (issue 7, item 3).
+"""Donation safety: inside a donating jax.jit no canary or log buffer is copied.
 
 Inside a jitted step that donates the canary state:
 

@@ -1,5 +1,5 @@
 """Seeded fuzzing of every public op with malformed device data, ``impl="ffi"`` and ``impl="xla"``
-against the numpy reference (issue 7, item 1).
+against the numpy reference.
 
 Each case draws adversarial values: negative and huge slots, seeds, predecessors, LUT entries,
 req_to_token and pool values; non-monotonic and overlong offsets; negative and huge ``num_valid`` /
@@ -11,7 +11,7 @@ in-range slots) so that the passing paths are exercised too. For each case:
 * every output byte of both backends equals the reference (``ffi`` and ``xla`` run jitted; shapes and
   static options are fixed per *class*, so all cases of a class share one compile);
 * an INDEX_OUT_OF_RANGE row appears for exactly the out-of-range values, with the ``IndexKind`` and
-  bound the spec gives (§5.3), computed here independently of the reference;
+  bound docs/format.md gives (§5.3), computed here independently of the reference;
 * the §6 invariants hold (Δkernel_run == 1, Δslot_run, verify rows <= 3 x active, fill-once ring).
 
 With x64 off every index array is int32 (values span the int32 range); with x64 on they are int64
@@ -482,7 +482,7 @@ def test_fuzz_op_against_reference(op):
 @pytest.mark.parametrize("impl", BACKENDS)
 def test_plan_wrapped_total_fills_only_entries_below_total(impl):
     """The int64 (wrap-around) sum of the verify lengths can be negative: then enable = 1 and
-    entries [0, total) are none, so every entry stays 0 (spec §9.3). The CPU handler used to fill all
+    entries [0, total) are none, so every entry stays 0 (format.md §9.3). The CPU handler used to fill all
     verify_capacity entries (found by tests/native/fuzz_driver.cc, plan case 414). int64 prefix
     lengths need x64: with it off (the default) the case runs inside ``jax.enable_x64(True)``."""
     with jax.enable_x64(True):

@@ -1,4 +1,4 @@
-"""Long-run consistency of a small serving loop (issue 7, item 4).
+"""Long-run consistency of a small serving loop.
 
 A minimal engine: ``bs`` requests over a fixed slot table; each step every request extends by 1-3
 tokens (a finished request restarts at position 0 and reuses its slots, a new chain); the jitted,

@@ -81,7 +81,7 @@ def test_matches_reference_eager(impl, op, config):
     assert not diffs, "\n".join(diffs) + "\n" + describe_case(case)
 
 
-# ---- reference invariants (spec §6, §5.1, §9.2, §9.5) --------------------------------------------
+# ---- reference invariants (format.md §6, §5.1, §9.2, §9.5) --------------------------------------------
 
 def _u64_rows(counters):
     return [int(v) for v in np.asarray(counters).view("<u8").ravel()]

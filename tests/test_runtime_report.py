@@ -1,4 +1,4 @@
-"""The report text (spec §10) against literal expected text, and the first-line parser."""
+"""The report text (format.md §10) against literal expected text, and the first-line parser."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""A multi-step serving simulation through the public ops (issue 2, item 6c).
+"""A multi-step serving simulation through the public ops.
 
 Several requests, chunked prefill then decode, a shared prefix, a FULL group and an SWA group (window
 + LUT with eviction), the token oracle (scatter -> plan pool -> verify token check) and the write input

@@ -1,4 +1,4 @@
-"""x64 off and on, int32 and int64 index inputs: identical output bytes (DESIGN.md §3)."""
+"""x64 off and on, int32 and int64 index inputs: identical output bytes (docs/design.md §10)."""
 
 import os
 import pathlib

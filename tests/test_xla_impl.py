@@ -121,7 +121,7 @@ def scenario_x64(index_dtype: str) -> str:
 
 
 def scenario_no_native() -> str:
-    """Block the native module, then run every op with impl='xla' and check spec goldens."""
+    """Block the native module, then run every op with impl='xla' and check format goldens (docs/format.md §12)."""
     import importlib.abc
 
     class _Block(importlib.abc.MetaPathFinder):

@@ -1,7 +1,7 @@
 """64-bit unsigned arithmetic for the pure-JAX backend, on pairs of uint32 arrays.
 
 A u64 value is carried as a pair ``(lo, hi)`` of uint32 arrays of the same shape; its byte image is
-``LE(lo) || LE(hi)`` (spec §3.3). Everything here works with ``jax_enable_x64`` off. When x64 is on,
+``LE(lo) || LE(hi)`` (format.md §3.3). Everything here works with ``jax_enable_x64`` off. When x64 is on,
 ``splitmix64`` / ``mix3`` use native uint64 internally (the hot path); the pair interface and the bytes
 are the same either way.
 
@@ -40,7 +40,7 @@ def zeros(shape):
 
 
 def from_int(x):
-    """int32 / int64 array -> pair; int32 is sign-extended (spec ``widen``)."""
+    """int32 / int64 array -> pair; int32 is sign-extended (format.md ``widen``)."""
     x = jnp.asarray(x)
     if x.dtype == jnp.int32:
         lo = lax.bitcast_convert_type(x, U32)
@@ -149,7 +149,7 @@ def mul_const(a, c: int):
     return lo, hi + a[0] * c_hi + a[1] * c_lo
 
 
-# ---- hashes (spec §4) ---------------------------------------------------------------------------
+# ---- hashes (format.md §4) ---------------------------------------------------------------------------
 
 def _splitmix64_pairs(x):
     x = mul_const(xor(x, shr(x, 30)), consts.SPLITMIX64_MUL1)
@@ -164,7 +164,7 @@ def _splitmix64_native(x):
 
 
 def splitmix64(p, *, native=None):
-    """splitmix64 finaliser on a pair (spec §4.1)."""
+    """splitmix64 finaliser on a pair (format.md §4.1)."""
     if native is None:
         native = x64_enabled()
     if native:
@@ -173,7 +173,7 @@ def splitmix64(p, *, native=None):
 
 
 def mix3(a, b, c, *, native=None):
-    """mix3(a, b, c) on pairs (spec §4.2)."""
+    """mix3(a, b, c) on pairs (format.md §4.2)."""
     if native is None:
         native = x64_enabled()
     if native:

@@ -1,4 +1,4 @@
-"""Host-side hashing of the canary format (spec §4), in plain Python ints and vectorised numpy.
+"""Host-side hashing of the canary format (format.md §4), in plain Python ints and vectorised numpy.
 
 Every function accepts either
 

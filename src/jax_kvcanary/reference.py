@@ -1,13 +1,13 @@
-"""Readable numpy reference of every op (spec §7, §8, §9): the test oracle. Host only.
+"""Readable numpy reference of every op (format.md §7, §8, §9): the test oracle. Host only.
 
-Written from KVCANARY_SPEC.md, loop for loop, so that it can be read next to the pseudocode:
+Written from docs/format.md, loop for loop, so that it can be read next to the pseudocode:
 
 * :func:`write`   — §7.3 (with the §7.4 sequential request order and the §7.5 edge cases)
 * :func:`verify`  — §8.3
 * :func:`plan`    — §9.3 (outputs per §9.2)
 * :func:`scatter_req_token_ids` — §9.5
 
-The signatures are the public ones (DESIGN.md §3) without ``impl``. Arguments are assumed valid (the
+The signatures are the public ones (docs/design.md §3) without ``impl``. Arguments are assumed valid (the
 public ops check them at trace time); every *data-dependent* rule is implemented here. Inputs may be
 numpy or jax arrays; they are never mutated. Results have numpy leaves:
 

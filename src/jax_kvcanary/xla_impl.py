@@ -1,6 +1,6 @@
 """Pure-JAX backend (``impl="xla"``): plan / write / verify / scatter_req_token_ids in jax.numpy and lax.
 
-Bit-identical to the native handlers (spec §3-§9) on every backend, with ``jax_enable_x64`` off or on.
+Bit-identical to the native handlers (format.md §3-§9) on every backend, with ``jax_enable_x64`` off or on.
 Arguments were validated by ``ops.py`` at trace time; nothing here re-validates.
 
 Representation. Every 64-bit quantity (record fields, hashes, ring columns, counters) is a pair
@@ -140,7 +140,7 @@ def _nth_set(q, masks):
 
 
 def _append(log: ViolationLog, counts, build_rows):
-    """Deterministic fill-once ring append (spec §5.1).
+    """Deterministic fill-once ring append (format.md §5.1).
 
     counts: int32 [M], rows contributed by item m (items in output order).
     build_rows(item, q) -> list of 8 pairs [cap]: the q-th row of each item.
@@ -171,7 +171,7 @@ def _read_records(canary, slots_clamped):
     return [(lo[..., f], hi[..., f]) for f in range(consts.CANARY_FIELDS_PER_SLOT)]
 
 
-# ---- real-KV sources (spec §4.4) ----------------------------------------------------------------
+# ---- real-KV sources (format.md §4.4) ----------------------------------------------------------------
 
 def _source_words(arr):
     """The array's row-major memory image as uint32 words: [rows, row_bytes // 4]."""
@@ -252,7 +252,7 @@ def _rkv_hash(srcs, sc):
     return acc
 
 
-# ---- VERIFY (spec §8) ---------------------------------------------------------------------------
+# ---- VERIFY (format.md §8) ---------------------------------------------------------------------------
 
 def verify(canary, log, verify_plan, *, tag: int, check_verify_expected_token: bool,
            real_kv_sources: tuple, real_kv_hash_mode: int) -> ViolationLog:
@@ -332,7 +332,7 @@ def verify(canary, log, verify_plan, *, tag: int, check_verify_expected_token: b
                         enable_chain_position_assert=log.enable_chain_position_assert)
 
 
-# ---- WRITE (spec §7) ----------------------------------------------------------------------------
+# ---- WRITE (format.md §7) ----------------------------------------------------------------------------
 
 def _lex_lower_bound(sk, si, s, t, n):
     """First p in [0, n] with (sk[p], si[p]) >= (s, t) lexicographically; vectorised over s, t."""
@@ -546,7 +546,7 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag: 
                                 enable_chain_position_assert=log.enable_chain_position_assert)
 
 
-# ---- PLAN (spec §9) -----------------------------------------------------------------------------
+# ---- PLAN (format.md §9) -----------------------------------------------------------------------------
 
 def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify_capacity: int,
          write_req_capacity: int, swa_window_size: int, full_to_swa_index_mapping,
@@ -584,7 +584,7 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
         ok = (x >= 0) & (x < n)
         return jnp.where(ok, lut[jnp.clip(x, 0, n - 1)].astype(D), -1)
 
-    # int64 wrap-around semantics (spec §9.3; the native core uses add_wrap/sub_wrap). With x64 off
+    # int64 wrap-around semantics (format.md §9.3; the native core uses add_wrap/sub_wrap). With x64 off
     # the inputs are int32 and the guarded forms below equal the int64 results exactly.
     if W > 0:
         if x64:
@@ -661,7 +661,7 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
     return vplan, write_plan
 
 
-# ---- scatter_req_token_ids (spec §9.5) ----------------------------------------------------------
+# ---- scatter_req_token_ids (format.md §9.5) ----------------------------------------------------------
 
 def scatter_req_token_ids(pool, flat_ids, offsets, req_pool_indices):
     x64 = U.x64_enabled()

@@ -5,8 +5,8 @@
 // entries, table and pool values; non-monotonic and overlong offsets; negative and huge counts;
 // ring capacity 1; canary and KV buffers of random bytes; real-KV sources with too few rows or
 // insane geometry), runs one launcher, and compares EVERY output byte with an independent oracle
-// written here from KVCANARY_SPEC.md §4-§9 (it shares no code with canary_core.h except the
-// constants). On top of the byte equality it checks the spec's per-launch invariants explicitly:
+// written here from docs/format.md §4-§9 (it shares no code with canary_core.h except the
+// constants). On top of the byte equality it checks the format's per-launch invariants explicitly:
 //   Δkernel_run == 1; verify never changes the canary; Δslot_run == active (verify) or the number of
 //   non-skipped entries (write); verify rows <= 3 x active; the ring is fill-once (rows go to
 //   base + k only while inside the ring, nothing else moves); write_index saturates at 2^31 - 1;

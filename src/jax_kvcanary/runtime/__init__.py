@@ -1,5 +1,5 @@
 """Serving integration: config, in-step endpoints, host monitor, report format, health check,
-sweep plans, fault injection and multi-device helpers (DESIGN.md §5, spec §10-§11)."""
+sweep plans, fault injection and multi-device helpers (docs/design.md §11, format.md §10-§11)."""
 
 from .config import CanaryConfig, launch_tag
 from .endpoints import (CanaryBatch, CanaryEndpoints, CanaryState, GroupPlan,

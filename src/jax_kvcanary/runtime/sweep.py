@@ -1,4 +1,4 @@
-"""SWEEP plans: verify the chains a prefix cache holds, in power-of-two buckets (spec §11).
+"""SWEEP plans: verify the chains a prefix cache holds, in power-of-two buckets (format.md §11).
 
 A chain entry is ``(slot, position, prev_slot)``: for every cached node slot, its position is its
 depth in the tree and ``prev_slot`` the slot before it (the parent's last slot for a node's first
