@@ -458,6 +458,9 @@ KVC_HD void write_entry_rows(const WriteArgs& a, int64_t i, int64_t slot, int64_
     emit(make_row(a.tag, slot, pos, tok, tok, chain, expected_pos, bits(FailReason::WRITE_POSITION_MISMATCH)));
 }
 
+// Distance, in entries, of the host's write prefetch in write_request (no effect on results).
+constexpr int64_t kWritePrefetchAhead = 16;
+
 // Processes request r over flat entries [lo, hi): reads the seed, emits rows in order, stores
 // records. Returns the number of counted (non-skipped) entries. With do_store false nothing is
 // stored (a count pass); the rows and the return value do not depend on it.
@@ -472,6 +475,14 @@ KVC_HD int64_t write_request(const WriteArgs& a, int64_t r, int64_t lo, int64_t 
   int64_t last_pos = do_pos ? a.canary.load(seed).position : 0;
   int64_t written = 0;
   for (int64_t i = lo; i < hi; ++i) {
+#if !defined(__CUDA_ARCH__) && defined(__GNUC__)
+    // Host only: a request's slots are scattered pages, so ask for the record kWritePrefetchAhead
+    // entries ahead for writing (its cache-line fill then overlaps the serial hash chain).
+    if (i + kWritePrefetchAhead < hi) {
+      const int64_t ahead = a.locs[i + kWritePrefetchAhead];
+      if (ahead >= 0 && ahead < S) __builtin_prefetch(a.canary.slot_ptr(ahead), 1);
+    }
+#endif
     const int64_t slot = a.locs[i];
     if (slot < 0) continue;
     ++written;

@@ -4,37 +4,70 @@
 // driver can run them under sanitizers.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <type_traits>
+#include <vector>
 
 #include "canary_core.h"
+#include "cpu_parallel.h"
 
 namespace kvcanary {
 
+// ---- launch specialisation ---------------------------------------------------------------------
+// A launch's loop is instantiated per LoopMode, which fixes at compile time what every entry would
+// otherwise test at run time: kIndex32 / kIndex64 (every index array of the op has that width) let the
+// compiler fold IndexView's width branch; the Plain modes add "no token check / no input assert and
+// no real-KV sources" (the HEAD endpoints' configuration). kGeneric keeps every flag a run-time value.
+// The loops take the argument struct by value: a local copy, which the canary stores (through
+// uint8_t*) cannot alias, so its fields stay in registers. The per-entry / per-request logic is the
+// core's in every mode: the specialisation only turns run-time flags of the copy into constants.
+enum LoopMode { kGeneric, kIndex32, kIndex64, kIndex32Plain, kIndex64Plain };
+
+template <LoopMode kMode>
+constexpr bool kPlainMode = kMode == kIndex32Plain || kMode == kIndex64Plain;
+template <LoopMode kMode>
+constexpr bool kWideMode = kMode == kIndex64 || kMode == kIndex64Plain;
+
+// Calls run(std::integral_constant<LoopMode, mode>{}) for the mode of a launch whose index arrays have
+// one width (`same_width`, `wide`) or not, and whose optional features are all off (`plain`).
+template <class Run>
+void with_loop_mode(bool same_width, bool wide, bool plain, Run&& run) {
+  using M = LoopMode;
+  if (!same_width) return run(std::integral_constant<M, kGeneric>{});
+  if (plain) {
+    if (wide) return run(std::integral_constant<M, kIndex64Plain>{});
+    return run(std::integral_constant<M, kIndex32Plain>{});
+  }
+  if (wide) return run(std::integral_constant<M, kIndex64>{});
+  return run(std::integral_constant<M, kIndex32>{});
+}
+
+// ---- VERIFY --------------------------------------------------------------------------------------
 // Verify entries are independent and their slots scattered over pages the hardware prefetcher cannot
 // guess: the loop asks for the slot record this many entries ahead (one 16-slot page in flight).
 constexpr int64_t kVerifyPrefetchAhead = 16;
 
-// The entry loop of a verify launch. kMode fixes, at compile time, what every entry would otherwise
-// test at run time: kIndex32 / kIndex64 (all four plan arrays of that width) let the compiler fold
-// IndexView's width branch; kPlain adds "no token check and no real-KV sources" (the HEAD endpoints'
-// configuration). kGeneric keeps every flag a run-time value. The per-entry logic is verify_entry in
-// every mode: the specialisation only turns run-time flags of `a` into constants.
-enum VerifyLoopMode { kGeneric, kIndex32, kIndex64, kIndex32Plain, kIndex64Plain };
-
-template <VerifyLoopMode kMode>
-void verify_entries(VerifyArgs a, int64_t active, RingAppender& emit) {
-  if constexpr (kMode != kGeneric) {
-    const bool is64 = kMode == kIndex64 || kMode == kIndex64Plain;
-    a.slots.is64 = a.tokens.is64 = a.positions.is64 = a.prevs.is64 = is64;
-  }
-  if constexpr (kMode == kIndex32Plain || kMode == kIndex64Plain) {
+template <LoopMode kMode>
+VerifyArgs specialise(VerifyArgs a) {
+  if constexpr (kMode != kGeneric) a.slots.is64 = a.tokens.is64 = a.positions.is64 = a.prevs.is64 = kWideMode<kMode>;
+  if constexpr (kPlainMode<kMode>) {
     a.check_token = false;
     a.sources.count = 0;
   }
-  for (int64_t e = 0; e < active; ++e) {
+  return a;
+}
+
+// Entries [begin, end) of a verify launch, rows to `emit`.
+template <LoopMode kMode, class Emit>
+void verify_entries(const VerifyArgs& args, int64_t begin, int64_t end, Emit& emit) {
+  const VerifyArgs a = specialise<kMode>(args);
+  for (int64_t e = begin; e < end; ++e) {
 #if defined(__GNUC__)
-    if (e + kVerifyPrefetchAhead < active) {
+    if (e + kVerifyPrefetchAhead < end) {
       const int64_t s = a.slots[e + kVerifyPrefetchAhead];
       if (s > 0 && s < a.canary.num_slots) __builtin_prefetch(a.canary.slot_ptr(s));
     }
@@ -44,76 +77,212 @@ void verify_entries(VerifyArgs a, int64_t active, RingAppender& emit) {
 }
 
 // VERIFY launch (format.md §8.3). `capacity` = V; num_valid / enable are the plan's int32[1] values.
-inline void verify_launch(const VerifyArgs& a, int64_t capacity, int32_t num_valid, int32_t enable,
-                          const LogView& log) {
+// With several chunks, each chunk first counts its rows (verify_entry with a RowCounter); then only
+// the chunks that have rows landing in the ring run again to store them at base + the rows of all
+// earlier chunks: the ring is byte-identical to the sequential loop's.
+template <class Exec = Sequential>
+void verify_launch(const VerifyArgs& a, int64_t capacity, int32_t num_valid, int32_t enable, const LogView& log,
+                   const Exec& exec = Exec{}) {
   counter_add(log.kernel_counters, a.tag, 1);
   if (enable == 0) return;
   const int64_t active = verify_active(num_valid, capacity);
   counter_add(log.slot_counters, a.tag, active);
-  RingAppender emit{log.ring, log.capacity, log.write_index[0]};
+  const int64_t base = log.write_index[0];
+  const int64_t chunks = chunk_count(active, exec);
   const bool w = a.slots.is64;
-  const bool same_width = a.tokens.is64 == w && a.positions.is64 == w && a.prevs.is64 == w;
-  const bool plain = !a.check_token && !a.sources.active();
-  if (!same_width) verify_entries<kGeneric>(a, active, emit);
-  else if (plain) w ? verify_entries<kIndex64Plain>(a, active, emit) : verify_entries<kIndex32Plain>(a, active, emit);
-  else w ? verify_entries<kIndex64>(a, active, emit) : verify_entries<kIndex32>(a, active, emit);
-  if (emit.count) log.write_index[0] = next_write_index(emit.base, emit.count);
+  int64_t rows = 0;
+  with_loop_mode(a.tokens.is64 == w && a.positions.is64 == w && a.prevs.is64 == w, w,
+                 !a.check_token && !a.sources.active(), [&](auto mode) {
+    constexpr LoopMode kMode = decltype(mode)::value;
+    if (chunks == 1) {
+      RingAppender emit{log.ring, log.capacity, base};
+      verify_entries<kMode>(a, 0, active, emit);
+      rows = emit.count;
+      return;
+    }
+    std::vector<int64_t> chunk_rows(chunks);
+    exec.run_chunks(chunks, [&](int64_t k) {
+      RowCounter count;
+      verify_entries<kMode>(a, chunk_begin(k, chunks, active), chunk_begin(k + 1, chunks, active), count);
+      chunk_rows[k] = count.count;
+    });
+    for (int64_t k = 0; k < chunks; ++k) {
+      const int64_t first = add_wrap(base, rows);
+      if (chunk_rows[k] > 0 && first < log.capacity && add_wrap(first, chunk_rows[k]) > 0) {
+        RingAppender emit{log.ring, log.capacity, first};
+        verify_entries<kMode>(a, chunk_begin(k, chunks, active), chunk_begin(k + 1, chunks, active), emit);
+      }
+      rows = add_wrap(rows, chunk_rows[k]);
+    }
+  });
+  if (rows) log.write_index[0] = next_write_index(base, rows);
 }
 
-// WRITE launch (format.md §7.3): requests in order, each over its monotone-clamped offset range.
-inline void write_launch(const WriteArgs& a, IndexView offsets, int64_t capacity, int32_t num_valid_reqs,
-                         int64_t num_tokens, const LogView& log) {
-  counter_add(log.kernel_counters, a.tag, 1);
-  const int64_t active = write_active(num_valid_reqs, capacity);
-  RingAppender emit{log.ring, log.capacity, log.write_index[0]};
+// ---- WRITE ---------------------------------------------------------------------------------------
+template <LoopMode kMode>
+WriteArgs specialise(WriteArgs a) {
+  if constexpr (kMode != kGeneric)
+    a.seeds.is64 = a.input_ids.is64 = a.positions.is64 = a.locs.is64 = a.exp_tokens.is64 = a.exp_positions.is64 =
+        kWideMode<kMode>;
+  if constexpr (kPlainMode<kMode>) {
+    a.input_assert = false;
+    a.sources.count = 0;
+  }
+  return a;
+}
+
+// The monotone clamp of the offsets (format.md §7.3): o[r] for r in [0, active].
+inline std::vector<int64_t> clamped_offsets(IndexView offsets, int64_t active, int64_t num_tokens) {
+  std::vector<int64_t> o(active + 1);
   int64_t running_max = offsets[0];
-  int64_t lo = clamp_offset(running_max, num_tokens);
-  int64_t written = 0;
+  o[0] = clamp_offset(running_max, num_tokens);
   for (int64_t r = 0; r < active; ++r) {
     const int64_t next = offsets[r + 1];
     if (next > running_max) running_max = next;
-    const int64_t hi = clamp_offset(running_max, num_tokens);
-    written += write_request(a, r, lo, hi, emit);
-    lo = hi;
+    o[r + 1] = clamp_offset(running_max, num_tokens);
   }
-  counter_add(log.slot_counters, a.tag, written);
-  if (emit.count) log.write_index[0] = next_write_index(emit.base, emit.count);
+  return o;
 }
 
-// PLAN launch (format.md §9.3): every output element is written; bs <= wcap is checked in Python.
-inline void plan_launch(const PlanArgs& a, int64_t bs, int64_t vcap, int64_t wcap, const PlanOut& out) {
-  std::memset(out.slots, 0, vcap * sizeof(int32_t));
-  std::memset(out.tokens, 0, vcap * sizeof(int32_t));
-  std::memset(out.positions, 0, vcap * sizeof(int32_t));
-  std::memset(out.prevs, 0, vcap * sizeof(int32_t));
+// True when the requests of a launch are independent chains: no in-range slot is the target of two
+// entries, and no (non-empty) request's seed is the target of an entry. Then running them in any
+// order stores what the sequential loop stores (format.md §7.4). A duplicate slot inside one request
+// also answers false: that only costs speed.
+template <class Exec>
+bool write_requests_independent(const WriteArgs& a, const std::vector<int64_t>& o, int64_t chunks,
+                                const Exec& exec) {
+  const int64_t S = a.canary.num_slots;
+  const int64_t words = (S + 63) / 64;
+  std::unique_ptr<std::atomic<uint64_t>[]> seen(new std::atomic<uint64_t>[words]());
+  std::atomic<bool> clash{false};
+  const int64_t lo = o.front(), n = o.back() - o.front();
+  exec.run_chunks(chunks, [&](int64_t k) {
+    for (int64_t i = lo + chunk_begin(k, chunks, n); i < lo + chunk_begin(k + 1, chunks, n); ++i) {
+      const int64_t slot = a.locs[i];
+      if (slot < 0 || slot >= S) continue;
+      const uint64_t bit = uint64_t{1} << (slot & 63);
+      if (seen[slot >> 6].fetch_or(bit, std::memory_order_relaxed) & bit) clash.store(true, std::memory_order_relaxed);
+    }
+  });
+  if (clash.load()) return false;
+  for (size_t r = 0; r + 1 < o.size(); ++r) {
+    if (o[r + 1] <= o[r]) continue;
+    const int64_t seed = a.seeds[static_cast<int64_t>(r)];
+    if (seed >= 0 && seed < S && (seen[seed >> 6].load(std::memory_order_relaxed) >> (seed & 63) & 1)) return false;
+  }
+  return true;
+}
+
+// WRITE launch (format.md §7.3). `capacity` = C; a.chain_assert is the launch's flag. Requests run in
+// order on one thread, unless the launch is large, has several requests and they are independent
+// chains (write_requests_independent): then chunks of consecutive requests run on several threads,
+// counting each request's rows; the requests that have rows landing in the ring run again without
+// storing (a replay reads only the seed, which no request of the launch writes) to store the rows at
+// their sequential place. Records and rows are byte-identical to the sequential loop's.
+template <class Exec = Sequential>
+void write_launch(const WriteArgs& a, IndexView offsets, int64_t capacity, int32_t num_valid_reqs,
+                  int64_t num_tokens, const LogView& log, const Exec& exec = Exec{}) {
+  counter_add(log.kernel_counters, a.tag, 1);
+  const int64_t active = write_active(num_valid_reqs, capacity);
+  const int64_t base = log.write_index[0];
+  const std::vector<int64_t> o = clamped_offsets(offsets, active, num_tokens);
+  const int64_t entries = o.back() - o.front();
+  const int64_t chunks = active > 1 ? chunk_count(entries, exec) : 1;
+  const bool parallel = chunks > 1 && write_requests_independent(a, o, chunks, exec);
+  const bool w = a.locs.is64;
+  const bool same_width = a.seeds.is64 == w && a.input_ids.is64 == w && a.positions.is64 == w &&
+                          (!a.input_assert || (a.exp_tokens.is64 == w && a.exp_positions.is64 == w));
+  int64_t written = 0, rows = 0;
+  with_loop_mode(same_width, w, !a.input_assert && !a.sources.active(), [&](auto mode) {
+    const WriteArgs s = specialise<decltype(mode)::value>(a);
+    if (!parallel) {
+      RingAppender emit{log.ring, log.capacity, base};
+      for (int64_t r = 0; r < active; ++r) written += write_request(s, r, o[r], o[r + 1], emit);
+      rows = emit.count;
+      return;
+    }
+    // Chunk k: the requests whose first entry lies in the k-th slice of the launch's entries.
+    std::vector<int64_t> req_rows(active), req_written(active), first(chunks + 1);
+    for (int64_t k = 0; k <= chunks; ++k)
+      first[k] = std::lower_bound(o.begin(), o.end() - 1, o.front() + chunk_begin(k, chunks, entries)) - o.begin();
+    exec.run_chunks(chunks, [&](int64_t k) {
+      for (int64_t r = first[k]; r < first[k + 1]; ++r) {
+        RowCounter count;
+        req_written[r] = write_request(s, r, o[r], o[r + 1], count);
+        req_rows[r] = count.count;
+      }
+    });
+    for (int64_t r = 0; r < active; ++r) {
+      const int64_t at = add_wrap(base, rows);
+      if (req_rows[r] > 0 && at < log.capacity && add_wrap(at, req_rows[r]) > 0) {
+        RingAppender emit{log.ring, log.capacity, at};
+        write_request(s, r, o[r], o[r + 1], emit, /*do_store=*/false);
+      }
+      rows = add_wrap(rows, req_rows[r]);
+      written += req_written[r];
+    }
+  });
+  counter_add(log.slot_counters, a.tag, written);
+  if (rows) log.write_index[0] = next_write_index(base, rows);
+}
+
+// ---- PLAN ----------------------------------------------------------------------------------------
+// Entries [begin, end) of the verify arrays: the plan entries below num_entries (rows located through
+// `start`, the saturated prefix sums of the rows' entry counts), zeros past it.
+inline void plan_fill(const PlanArgs& a, const std::vector<PlanRow>& rows, const std::vector<int64_t>& start,
+                      int64_t num_entries, int64_t begin, int64_t end, const PlanOut& out) {
+  int64_t f = begin;
+  if (f < num_entries) {
+    // The row owning entry f: the last row whose first entry is <= f (empty rows share a start).
+    int64_t r = std::upper_bound(start.begin(), start.end() - 1, f) - start.begin() - 1;
+    int64_t j = f - start[r];
+    for (; f < end && f < num_entries; ++f, ++j) {
+      while (j >= rows[r].vlen && r + 1 < static_cast<int64_t>(rows.size())) j -= rows[r++].vlen;  // next non-empty row
+      const PlanEntry e = plan_entry(a, rows[r], r, j);
+      out.slots[f] = static_cast<int32_t>(e.slot);
+      out.tokens[f] = static_cast<int32_t>(e.token);
+      out.positions[f] = static_cast<int32_t>(e.position);
+      out.prevs[f] = static_cast<int32_t>(e.prev);
+    }
+  }
+  if (f < end) {
+    const size_t n = static_cast<size_t>(end - f) * sizeof(int32_t);
+    std::memset(out.slots + f, 0, n);
+    std::memset(out.tokens + f, 0, n);
+    std::memset(out.positions + f, 0, n);
+    std::memset(out.prevs + f, 0, n);
+  }
+}
+
+// PLAN launch (format.md §9.3): every output element is written; bs <= wcap is checked in Python. The
+// batch rows are planned on one thread; the verify arrays are filled in chunks.
+template <class Exec = Sequential>
+void plan_launch(const PlanArgs& a, int64_t bs, int64_t vcap, int64_t wcap, const PlanOut& out,
+                 const Exec& exec = Exec{}) {
+  const int64_t n = bs < wcap ? bs : wcap;
+  std::vector<PlanRow> rows(n);
+  std::vector<int64_t> start(n + 1);
   std::memset(out.offsets, 0, (wcap + 1) * sizeof(int32_t));
   std::memset(out.seeds, 0, wcap * sizeof(int32_t));
-  int64_t total = 0;
-  int64_t write_total = 0;
-  for (int64_t r = 0; r < bs && r < wcap; ++r) {
-    const PlanRow row = plan_row(a, r);
-    total = add_wrap(total, row.vlen);
-    write_total = add_wrap(write_total, row.wlen);
+  int64_t total = 0, write_total = 0;
+  start[0] = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    rows[r] = plan_row(a, r);
+    total = add_wrap(total, rows[r].vlen);
+    write_total = add_wrap(write_total, rows[r].wlen);
     out.offsets[r + 1] = static_cast<int32_t>(write_total);
-    out.seeds[r] = static_cast<int32_t>(row.seed);
+    out.seeds[r] = static_cast<int32_t>(rows[r].seed);
+    start[r + 1] = start[r] + std::min(rows[r].vlen, vcap + 1 - start[r]);  // saturates at vcap + 1
   }
   const bool enable = total <= vcap;
   // Entries [0, total) only: with int64 inputs the wrap-around sum can be < 0 or smaller than the
   // sum of a prefix of rows (format.md §9.3), so the bound is total, not vcap.
   const int64_t num_entries = total < vcap ? total : vcap;
-  if (enable) {
-    int64_t flat = 0;
-    for (int64_t r = 0; r < bs && flat < num_entries; ++r) {
-      const PlanRow row = plan_row(a, r);
-      for (int64_t j = 0; j < row.vlen && flat < num_entries; ++j, ++flat) {
-        const PlanEntry e = plan_entry(a, row, r, j);
-        out.slots[flat] = static_cast<int32_t>(e.slot);
-        out.tokens[flat] = static_cast<int32_t>(e.token);
-        out.positions[flat] = static_cast<int32_t>(e.position);
-        out.prevs[flat] = static_cast<int32_t>(e.prev);
-      }
-    }
-  }
+  const int64_t filled = enable ? num_entries : 0;
+  const int64_t chunks = chunk_count(vcap, exec);
+  exec.run_chunks(chunks, [&](int64_t k) {
+    plan_fill(a, rows, start, filled, chunk_begin(k, chunks, vcap), chunk_begin(k + 1, chunks, vcap), out);
+  });
   out.num_valid[0] = static_cast<int32_t>(num_entries);
   out.enable[0] = enable ? 1 : 0;
   out.num_valid_reqs[0] = static_cast<int32_t>(bs);

@@ -8,4 +8,6 @@ NB_MODULE(_kvcanary, m) {
     return kvcanary::registrations(kvcanary::kvcanary_verify_cpu, kvcanary::kvcanary_write_cpu,
                                    kvcanary::kvcanary_plan_cpu, kvcanary::kvcanary_scatter_cpu);
   });
+  m.def("set_max_threads", &kvcanary::set_cpu_max_threads, nanobind::arg("n"));
+  m.def("max_threads", &kvcanary::cpu_max_threads);
 }

@@ -58,6 +58,30 @@ def _register() -> frozenset:
 NATIVE_PLATFORMS = _register()
 
 
+def set_cpu_threads(n=None) -> None:
+    """Cap the threads each native CPU launch (verify, write, plan) may use; ``None`` or 0 removes the
+    cap (the default: the size of XLA's intra-op thread pool), 1 runs every launch on one thread.
+
+    Launches of fewer than 16384 entries run on one thread whatever the cap; results are the same
+    bytes for every setting. The cap is read when a launch runs (no recompile) and applies to the
+    whole process. Raises ``RuntimeError`` without the native CPU module.
+    """
+    if _kvcanary is None:
+        raise RuntimeError("kv-canary: set_cpu_threads needs the native CPU module: "
+                           + IMPORT_ERRORS.get("cpu", "not built"))
+    n = 0 if n is None else int(n)
+    if n < 0:
+        raise ValueError(f"kv-canary: set_cpu_threads needs n >= 0 or None, got {n}")
+    _kvcanary.set_max_threads(n)
+
+
+def cpu_threads() -> int | None:
+    """The cap set by ``set_cpu_threads`` (None: no cap)."""
+    if _kvcanary is None:
+        return None
+    return _kvcanary.max_threads() or None
+
+
 def _sds(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 

@@ -13,16 +13,23 @@
 //   every INDEX_OUT_OF_RANGE row has fail bits exactly 64, a valid IndexKind and its bound.
 // A "cycle" op runs a small well-formed serving loop (plan -> verify -> write per step through the
 // real launchers) and requires zero violations, then injects a req_to_token swap and requires rows.
+// Half of the launches (chosen by the seed) run on the parallel launchers: a pool of std::threads,
+// chunks of 1..5 entries, so that small cases cross chunk boundaries (cpu_parallel.h).
 //
 // usage: fuzz_driver [cases_per_op=10000] [seed=1] [op=all|verify|write|plan|scatter|cycle] [case]
 // Exit status 0 when nothing was found, 1 on any failure (each failure prints a rerun command).
 #include <cinttypes>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cpu_launchers.h"
@@ -58,6 +65,55 @@ struct Coverage {
   long launches = 0;
 };
 Coverage g_cov[6];
+
+// A fixed pool of worker threads for the parallel launchers (cpu_parallel.h's Pool: schedule(F&&)).
+class ThreadPool {
+ public:
+  explicit ThreadPool(int n) {
+    for (int i = 0; i < n; ++i) threads_.emplace_back([this] { run(); });
+  }
+  ~ThreadPool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& th : threads_) th.join();
+  }
+  template <class F>
+  void schedule(F&& f) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.emplace_back(std::forward<F>(f));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
+        if (tasks_.empty()) return;
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();
+    }
+  }
+  std::vector<std::thread> threads_;
+  std::deque<std::function<void()>> tasks_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+};
+ThreadPool& g_pool() {
+  static ThreadPool pool(3);
+  return pool;
+}
+long g_parallel_launches = 0;
 int g_opi = 0;
 
 // ---- rng and value pickers -----------------------------------------------------------------------
@@ -76,6 +132,15 @@ struct Rng {
   }
   bool pct(int p) { return static_cast<int>(next() % 100) < p; }
 };
+
+// Runs launch(executor): the sequential one, or for half the launches the parallel launchers on the
+// thread pool with chunks of 1..5 entries.
+template <class Launch>
+void with_executor(Rng& g, Launch&& launch) {
+  if (g.pct(50)) return launch(Sequential{});
+  ++g_parallel_launches;
+  launch(PoolExecutor<ThreadPool>(g_pool(), 4, g.range(1, 5)));
+}
 
 constexpr int64_t I64MIN = INT64_MIN, I64MAX = INT64_MAX;
 const int64_t kHuge[] = {I64MIN, I64MAX, INT32_MIN, INT32_MAX, int64_t(INT32_MAX) + 1, int64_t(INT32_MIN) - 1,
@@ -434,7 +499,7 @@ void fuzz_verify(Rng& g) {
   a.check_token = check;
   a.sources = src.core();
   a.tag = tag;
-  verify_launch(a, V, nv, en, L.view());
+  with_executor(g, [&](const auto& exec) { verify_launch(a, V, nv, en, L.view(), exec); });
 
   CHECK(c.bytes.same(c0.bytes), "verify changed the canary");
   if (en == 0) {
@@ -557,7 +622,7 @@ void fuzz_write(Rng& g) {
   a.chain_assert = w.chain_assert;
   a.sources = src.core();
   a.tag = w.tag;
-  write_launch(a, w.offsets.view(), w.C, w.nvr, w.N, L.view());
+  with_executor(g, [&](const auto& exec) { write_launch(a, w.offsets.view(), w.C, w.nvr, w.N, L.view(), exec); });
 
   int64_t dslot = 0;
   const auto rows = oracle_write(expect, w, src, dslot);
@@ -675,7 +740,7 @@ void fuzz_plan(Rng& g) {
     std::memset(h->data(), 0xA5, h->n * sizeof(int32_t));  // stale garbage: every element must be written
   const PlanOut out{slots.data(), toks.data(), poss.data(), prevs.data(), nv.data(), en.data(),
                     offsets.data(), seeds.data(), nvr.data()};
-  plan_launch(a, p.bs, p.vcap, p.wcap, out);
+  with_executor(g, [&](const auto& exec) { plan_launch(a, p.bs, p.vcap, p.wcap, out, exec); });
 
   const PlanExpect x = oracle_plan(p);
   if (std::getenv("KVC_FUZZ_DUMP")) {  // the case's inputs, for turning a failure into a regression test
@@ -796,8 +861,10 @@ void fuzz_cycle(Rng& g) {
     pa.req_to_token = r2t.view(), pa.R = R, pa.L = Lmax, pa.lut = nolut.view(), pa.pool = nopool.view();
     pa.valid_lens = novl.view();
     Heap<int32_t> vs(vcap), vt(vcap), vp(vcap), vq(vcap), vn(1), ve(1), wo(wcap + 1), wsd(wcap), wn(1);
-    plan_launch(pa, bs, vcap, wcap, PlanOut{vs.data(), vt.data(), vp.data(), vq.data(), vn.data(), ve.data(),
-                                            wo.data(), wsd.data(), wn.data()});
+    with_executor(g, [&](const auto& exec) {
+      plan_launch(pa, bs, vcap, wcap, PlanOut{vs.data(), vt.data(), vp.data(), vq.data(), vn.data(), ve.data(),
+                                              wo.data(), wsd.data(), wn.data()}, exec);
+    });
     CHECK(ve[0] == 1, "plan overflowed in the cycle");
     Idx v_slots(vcap, false), v_toks(vcap, false), v_pos(vcap, false), v_prev(vcap, false);
     for (int64_t e = 0; e < vcap; ++e) v_slots.set(e, vs[e]), v_toks.set(e, vt[e]), v_pos.set(e, vp[e]), v_prev.set(e, vq[e]);
@@ -805,7 +872,7 @@ void fuzz_cycle(Rng& g) {
     VerifyArgs va{};
     va.canary = c.view(), va.slots = v_slots.view(), va.tokens = v_toks.view(), va.positions = v_pos.view();
     va.prevs = v_prev.view(), va.sources = src.core(), va.tag = tag;
-    verify_launch(va, vcap, vn[0], ve[0], L.view());
+    with_executor(g, [&](const auto& exec) { verify_launch(va, vcap, vn[0], ve[0], L.view(), exec); });
     verify_slots += vn[0];
     if (!injected) CHECK(L.wi[0] == before, "clean verify recorded %d rows at step %d", L.wi[0] - before, step);
     else CHECK(L.wi[0] > before, "the req_to_token swap was not reported at step %d", step);
@@ -819,7 +886,7 @@ void fuzz_cycle(Rng& g) {
     wa.canary = c.view(), wa.seeds = wseed.view(), wa.input_ids = wi.view(), wa.positions = wp.view();
     wa.locs = wl.view(), wa.exp_tokens = empty.view(), wa.exp_positions = empty.view();
     wa.chain_assert = !injected, wa.sources = src.core(), wa.tag = tag;
-    write_launch(wa, woff.view(), wcap, wn[0], N, L.view());
+    with_executor(g, [&](const auto& exec) { write_launch(wa, woff.view(), wcap, wn[0], N, L.view(), exec); });
     write_slots += N;
     if (!injected) CHECK(L.wi[0] == before_w, "clean write recorded %d rows at step %d", L.wi[0] - before_w, step);
     for (int64_t r = 0; r < bs; ++r) len[r + 1] += E.get(r);
@@ -894,6 +961,6 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "fuzz_driver: %ld failure(s)\n", g_failures);
     return 1;
   }
-  std::printf("fuzz_driver: OK (seed %" PRIu64 ")\n", g_seed);
+  std::printf("fuzz_driver: OK (seed %" PRIu64 "; %ld launches on the parallel launchers)\n", g_seed, g_parallel_launches);
   return 0;
 }

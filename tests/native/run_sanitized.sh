@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the native core's fuzz driver with ASan + UBSan (g++, -fno-sanitize-recover=all) in its own
-# build directory and run it. Any sanitizer report, oracle mismatch or invariant failure exits non-zero.
+# build directory and run it; then a ThreadSanitizer build of the same driver on fewer cases (the
+# parallel launchers). Any sanitizer report, oracle mismatch or invariant failure exits non-zero.
 #
 #   tests/native/run_sanitized.sh [CASES_PER_OP] [SEED ...]
 #
@@ -39,9 +40,10 @@ else
     >"$build/configure.log" 2>&1 || { cat "$build/configure.log"; exit 1; }
   echo "configured tests/native standalone (sanitizers on) in $dir"
 fi
-cmake --build "$dir" --target kvcanary_fuzz_driver
+cmake --build "$dir" --target kvcanary_fuzz_driver kvcanary_fuzz_driver_tsan
 driver="$dir/tests/native/kvcanary_fuzz_driver"
 [ -x "$driver" ] || driver="$dir/kvcanary_fuzz_driver"
+tsan="${driver}_tsan"
 
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:halt_on_error=1:abort_on_error=0:strict_string_checks=1:detect_stack_use_after_return=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
@@ -49,4 +51,7 @@ for seed in "${seeds[@]}"; do
   echo "== fuzz_driver $cases cases/op, seed $seed (ASan + UBSan)"
   "$driver" "$cases" "$seed"
 done
+tsan_cases=$(( cases < 3000 ? cases : 3000 ))
+echo "== fuzz_driver $tsan_cases cases/op, seed ${seeds[0]} (TSan)"
+TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1} "$tsan" "$tsan_cases" "${seeds[0]}"
 echo "sanitized native fuzz: OK"
