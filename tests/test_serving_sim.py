@@ -22,6 +22,13 @@ CHUNK, WINDOW = 5, 4
 KV_BYTES = 32             # one token's K bytes in the toy KV arrays (page_size 1)
 
 
+def snapshot(host):
+    """A device copy of host state that the engine mutates later: JAX may read a numpy argument
+    after the call that received it returns (the host-to-device copy is asynchronous), so it must get
+    a buffer nobody writes to."""
+    return jnp.asarray(np.array(host, copy=True))
+
+
 class Engine:
     """A tiny paged-KV engine: allocators, req_to_token, LUT, token pool, KV bytes, canaries."""
 
@@ -94,9 +101,9 @@ class Engine:
         for g, (window, lut, gloc) in groups.items():
             head_tag, tail_tag = (T.HEAD_K_FULL, T.TAIL_K_FULL) if g == "full" else (T.HEAD_K_SWA, T.TAIL_K_SWA)
             vp, wp = self.ops.plan(
-                jnp.asarray(rpi), jnp.asarray(pre), jnp.asarray(ext), jnp.asarray(self.req_to_token),
+                jnp.asarray(rpi), jnp.asarray(pre), jnp.asarray(ext), snapshot(self.req_to_token),
                 verify_capacity=64, write_req_capacity=BS, swa_window_size=window,
-                full_to_swa_index_mapping=None if lut is None else jnp.asarray(lut),
+                full_to_swa_index_mapping=None if lut is None else snapshot(lut),
                 req_to_verify_expected_tokens=jnp.asarray(np.asarray(self.pool)),
                 req_to_verify_expected_tokens_valid_lens=jnp.asarray(
                     np.array([len(self.reqs[rp]["ids"]) if rp else 0 for rp in rpi], np.int32)))
@@ -112,7 +119,7 @@ class Engine:
                 self.kv[g][s] = self.rng.integers(1, 256, KV_BYTES, dtype=np.uint8)
             if post_forward and g == "full":
                 post_forward(self)
-            src = (kvc.RealKvSource(jnp.asarray(self.kv[g]), 1, KV_BYTES, KV_BYTES),)
+            src = (kvc.RealKvSource(snapshot(self.kv[g]), 1, KV_BYTES, KV_BYTES),)
             tail = self.canary[(g, "tail")]
             self.log = self.ops.verify(tail, self.log, vp, tag=tail_tag, check_verify_expected_token=True,
                                        real_kv_sources=src, real_kv_hash_mode=kvc.RealKvHashMode.ALL)
