@@ -328,6 +328,36 @@ KVC_HD void counter_add(uint8_t* counters, int64_t tag, int64_t delta) {
   store_i64(p, add_wrap(load_i64(p), delta));
 }
 
+// ---- launch traits: how the per-entry functions read per-launch options and index arrays --------
+// DynamicTraits reads them at run time (the CUDA kernels, the CPU's generic loop). A CPU launch whose
+// index arrays all have one width instantiates FixedTraits, which fixes the width and, for "plain"
+// launches (no token check, no input assert, no real-KV sources: the HEAD endpoints), those options
+// at compile time, so the width branch and the disabled features fold away. The functions below are
+// the same code under either traits.
+struct DynamicTraits {
+  KVC_HD static int64_t at(const IndexView& v, int64_t i) { return v[i]; }
+  template <class Sources>
+  KVC_HD static bool sources(const Sources& s) { return s.active(); }
+  template <class Args>
+  KVC_HD static bool check_token(const Args& a) { return a.check_token; }
+  template <class Args>
+  KVC_HD static bool input_assert(const Args& a) { return a.input_assert; }
+};
+
+template <bool kWide, bool kPlain>
+struct FixedTraits {
+  KVC_HD static int64_t at(const IndexView& v, int64_t i) {
+    if constexpr (kWide) return static_cast<const int64_t*>(v.data)[i];
+    else return static_cast<int64_t>(static_cast<const int32_t*>(v.data)[i]);
+  }
+  template <class Sources>
+  KVC_HD static bool sources(const Sources& s) { return !kPlain && s.active(); }
+  template <class Args>
+  KVC_HD static bool check_token(const Args& a) { return !kPlain && a.check_token; }
+  template <class Args>
+  KVC_HD static bool input_assert(const Args& a) { return !kPlain && a.input_assert; }
+};
+
 // ---- VERIFY: one entry (format.md §8.3) -------------------------------------------------------------
 struct VerifyArgs {
   CanaryView canary;
@@ -340,18 +370,18 @@ struct VerifyArgs {
 KVC_HD int64_t verify_active(int64_t num_valid, int64_t capacity) { return clamp64(num_valid, 0, capacity); }
 
 // Emits the entry's rows, in order: VERIFY_PREV OOB, real-KV OOB, check row; or one VERIFY_SLOT row.
-template <class Emit>
+template <class T = DynamicTraits, class Emit>
 KVC_HD void verify_entry(const VerifyArgs& a, int64_t e, Emit& emit) {
   const int64_t S = a.canary.num_slots;
-  const int64_t slot = a.slots[e];
+  const int64_t slot = T::at(a.slots, e);
   if (slot == TOKEN_TO_KV_SLOT_PADDING) return;
-  const int64_t epos = a.positions[e];
+  const int64_t epos = T::at(a.positions, e);
   if (slot < 0 || slot >= S) {
     emit(oob_row(a.tag, slot, epos, -1, slot, IndexKind::VERIFY_SLOT, S));
     return;
   }
-  const int64_t prev = a.prevs[e];
-  const int64_t etok = a.check_token ? a.tokens[e] : -1;
+  const int64_t prev = T::at(a.prevs, e);
+  const int64_t etok = T::check_token(a) ? T::at(a.tokens, e) : -1;
   const Record st = a.canary.load(slot);
   bool chain_checked = prev != 0;
   if (prev >= S) {
@@ -362,7 +392,7 @@ KVC_HD void verify_entry(const VerifyArgs& a, int64_t e, Emit& emit) {
       chain_checked ? static_cast<int64_t>(a.canary.successor_hash(prev)) : st.prev_hash;
   bool rkv_checked = true;
   int64_t exp_rkv = 0;
-  if (a.sources.active()) {
+  if (T::sources(a.sources)) {
     const int k = a.sources.first_unaddressable(slot);
     if (k < 0) {
       exp_rkv = static_cast<int64_t>(a.sources.hash(slot));
@@ -374,7 +404,7 @@ KVC_HD void verify_entry(const VerifyArgs& a, int64_t e, Emit& emit) {
   }
   int64_t fail = 0;
   if (chain_checked && st.prev_hash != exp_chain) fail |= bits(FailReason::VERIFY_CHAIN_HASH_MISMATCH);
-  if (a.check_token && etok != -1 && st.token != etok) fail |= bits(FailReason::VERIFY_TOKEN_MISMATCH);
+  if (T::check_token(a) && etok != -1 && st.token != etok) fail |= bits(FailReason::VERIFY_TOKEN_MISMATCH);
   if (st.position != epos) fail |= bits(FailReason::VERIFY_POSITION_MISMATCH);
   if (rkv_checked && st.real_kv_hash != exp_rkv) fail |= bits(FailReason::VERIFY_REAL_KV_HASH_MISMATCH);
   if (fail) emit(make_row(a.tag, slot, st.position, st.token, etok, st.prev_hash, exp_chain, fail));
@@ -398,22 +428,15 @@ KVC_HD int64_t write_active(int64_t num_valid_reqs, int64_t capacity) {
 // a launcher compute it with a prefix-max scan.
 KVC_HD int64_t clamp_offset(int64_t running_max, int64_t num_tokens) { return clamp64(running_max, 0, num_tokens); }
 
-// Number of entries of [lo, hi) with a non-negative slot (what slot_run counts).
-KVC_HD int64_t write_count(const WriteArgs& a, int64_t lo, int64_t hi) {
-  int64_t n = 0;
-  for (int64_t i = lo; i < hi; ++i) n += a.locs[i] >= 0;
-  return n;
-}
-
 // The pieces of one request, so that a parallel launcher runs the same code as the sequential loop
 // below: the seed (with its OOB row), the real-KV addressability of an entry, and the rows of one
 // non-skipped entry once its chain hash and its expected position are known.
 
 // Effective seed of request r: seeds[r], or -1 after emitting the WRITE_SEED OOB row when it is >= S.
-template <class Emit>
+template <class T = DynamicTraits, class Emit>
 KVC_HD int64_t write_seed(const WriteArgs& a, int64_t r, Emit& emit) {
   const int64_t S = a.canary.num_slots;
-  int64_t seed = a.seeds[r];
+  int64_t seed = T::at(a.seeds, r);
   if (seed >= S) {
     emit(oob_row(a.tag, seed, -1, -1, seed, IndexKind::WRITE_SEED, S));
     seed = -1;
@@ -424,19 +447,21 @@ KVC_HD int64_t write_seed(const WriteArgs& a, int64_t r, Emit& emit) {
 // For a non-skipped entry (slot >= 0): the first real-KV source that cannot address the slot, or -1
 // (also -1 when the slot is out of range or no fingerprint is taken). The fingerprint is taken iff
 // write_takes_fingerprint().
+template <class T = DynamicTraits>
 KVC_HD int write_rkv_oob(const WriteArgs& a, int64_t slot) {
-  if (slot >= a.canary.num_slots || !a.sources.active()) return -1;
+  if (slot >= a.canary.num_slots || !T::sources(a.sources)) return -1;
   return a.sources.first_unaddressable(slot);
 }
+template <class T = DynamicTraits>
 KVC_HD bool write_takes_fingerprint(const WriteArgs& a, int64_t slot, int rkv_oob) {
-  return slot < a.canary.num_slots && a.sources.active() && rkv_oob < 0;
+  return slot < a.canary.num_slots && T::sources(a.sources) && rkv_oob < 0;
 }
 
 // Rows of non-skipped entry i, in order: the WRITE_SLOT or real-KV OOB row, the input-assert row,
 // the chain-position row. `chain` is the running hash before the entry (the value stored as
 // prev_hash); `expected_pos` is the previous non-skipped position (or the seed's stored position) + 1,
 // used only when do_pos. The row count does not depend on `chain`.
-template <class Emit>
+template <class T = DynamicTraits, class Emit>
 KVC_HD void write_entry_rows(const WriteArgs& a, int64_t i, int64_t slot, int64_t tok, int64_t pos, int rkv_oob,
                              uint64_t chain_hash, bool do_pos, int64_t expected_pos, Emit& emit) {
   const int64_t S = a.canary.num_slots;
@@ -447,9 +472,9 @@ KVC_HD void write_entry_rows(const WriteArgs& a, int64_t i, int64_t slot, int64_
                  static_cast<IndexKind>(code(IndexKind::REAL_KV_SOURCE_0) + rkv_oob), a.sources.src[rkv_oob].rows));
   }
   const int64_t chain = static_cast<int64_t>(chain_hash);
-  if (a.input_assert) {
-    const int64_t et = a.exp_tokens[i];
-    const int64_t ep = a.exp_positions[i];
+  if (T::input_assert(a)) {
+    const int64_t et = T::at(a.exp_tokens, i);
+    const int64_t ep = T::at(a.exp_positions, i);
     const int64_t fail = (tok != et ? bits(FailReason::WRITE_TOKEN_MISMATCH) : 0) |
                          (pos != ep ? bits(FailReason::WRITE_POSITION_MISMATCH) : 0);
     if (fail) emit(make_row(a.tag, slot, pos, tok, et, chain, ep, fail));
@@ -464,12 +489,12 @@ constexpr int64_t kWritePrefetchAhead = 16;
 // Processes request r over flat entries [lo, hi): reads the seed, emits rows in order, stores
 // records. Returns the number of counted (non-skipped) entries. With do_store false nothing is
 // stored (a count pass); the rows and the return value do not depend on it.
-template <class Emit>
+template <class T = DynamicTraits, class Emit>
 KVC_HD int64_t write_request(const WriteArgs& a, int64_t r, int64_t lo, int64_t hi, Emit& emit,
                              bool do_store = true) {
   if (hi <= lo) return 0;
   const int64_t S = a.canary.num_slots;
-  const int64_t seed = write_seed(a, r, emit);
+  const int64_t seed = write_seed<T>(a, r, emit);
   uint64_t running = a.canary.successor_hash(seed);
   const bool do_pos = seed >= 0 && a.chain_assert;
   int64_t last_pos = do_pos ? a.canary.load(seed).position : 0;
@@ -479,18 +504,18 @@ KVC_HD int64_t write_request(const WriteArgs& a, int64_t r, int64_t lo, int64_t 
     // Host only: a request's slots are scattered pages, so ask for the record kWritePrefetchAhead
     // entries ahead for writing (its cache-line fill then overlaps the serial hash chain).
     if (i + kWritePrefetchAhead < hi) {
-      const int64_t ahead = a.locs[i + kWritePrefetchAhead];
+      const int64_t ahead = T::at(a.locs, i + kWritePrefetchAhead);
       if (ahead >= 0 && ahead < S) __builtin_prefetch(a.canary.slot_ptr(ahead), 1);
     }
 #endif
-    const int64_t slot = a.locs[i];
+    const int64_t slot = T::at(a.locs, i);
     if (slot < 0) continue;
     ++written;
-    const int64_t tok = a.input_ids[i];
-    const int64_t pos = a.positions[i];
-    const int k = write_rkv_oob(a, slot);
-    const int64_t rkv = write_takes_fingerprint(a, slot, k) ? static_cast<int64_t>(a.sources.hash(slot)) : 0;
-    write_entry_rows(a, i, slot, tok, pos, k, running, do_pos, add_wrap(last_pos, 1), emit);
+    const int64_t tok = T::at(a.input_ids, i);
+    const int64_t pos = T::at(a.positions, i);
+    const int k = write_rkv_oob<T>(a, slot);
+    const int64_t rkv = write_takes_fingerprint<T>(a, slot, k) ? static_cast<int64_t>(a.sources.hash(slot)) : 0;
+    write_entry_rows<T>(a, i, slot, tok, pos, k, running, do_pos, add_wrap(last_pos, 1), emit);
     if (do_pos) last_pos = pos;
     if (slot < S && do_store) a.canary.store(slot, Record{tok, pos, static_cast<int64_t>(running), rkv});
     running = mix3(running, static_cast<uint64_t>(tok), static_cast<uint64_t>(pos));

@@ -18,32 +18,19 @@
 namespace kvcanary {
 
 // ---- launch specialisation ---------------------------------------------------------------------
-// A launch's loop is instantiated per LoopMode, which fixes at compile time what every entry would
-// otherwise test at run time: kIndex32 / kIndex64 (every index array of the op has that width) let the
-// compiler fold IndexView's width branch; the Plain modes add "no token check / no input assert and
-// no real-KV sources" (the HEAD endpoints' configuration). kGeneric keeps every flag a run-time value.
-// The loops take the argument struct by value: a local copy, which the canary stores (through
-// uint8_t*) cannot alias, so its fields stay in registers. The per-entry / per-request logic is the
-// core's in every mode: the specialisation only turns run-time flags of the copy into constants.
-enum LoopMode { kGeneric, kIndex32, kIndex64, kIndex32Plain, kIndex64Plain };
-
-template <LoopMode kMode>
-constexpr bool kPlainMode = kMode == kIndex32Plain || kMode == kIndex64Plain;
-template <LoopMode kMode>
-constexpr bool kWideMode = kMode == kIndex64 || kMode == kIndex64Plain;
-
-// Calls run(std::integral_constant<LoopMode, mode>{}) for the mode of a launch whose index arrays have
-// one width (`same_width`, `wide`) or not, and whose optional features are all off (`plain`).
+// A launch's loop is instantiated per traits (canary_core.h): FixedTraits<wide, plain> when every
+// index array of the launch has one width, which fixes the width and, for a plain launch (no token
+// check / input assert, no real-KV sources: the HEAD endpoints), those options at compile time;
+// DynamicTraits otherwise. Calls run(traits) with the launch's traits.
 template <class Run>
-void with_loop_mode(bool same_width, bool wide, bool plain, Run&& run) {
-  using M = LoopMode;
-  if (!same_width) return run(std::integral_constant<M, kGeneric>{});
+void with_traits(bool same_width, bool wide, bool plain, Run&& run) {
+  if (!same_width) return run(DynamicTraits{});
   if (plain) {
-    if (wide) return run(std::integral_constant<M, kIndex64Plain>{});
-    return run(std::integral_constant<M, kIndex32Plain>{});
+    if (wide) return run(FixedTraits<true, true>{});
+    return run(FixedTraits<false, true>{});
   }
-  if (wide) return run(std::integral_constant<M, kIndex64>{});
-  return run(std::integral_constant<M, kIndex32>{});
+  if (wide) return run(FixedTraits<true, false>{});
+  return run(FixedTraits<false, false>{});
 }
 
 // ---- VERIFY --------------------------------------------------------------------------------------
@@ -51,28 +38,17 @@ void with_loop_mode(bool same_width, bool wide, bool plain, Run&& run) {
 // guess: the loop asks for the slot record this many entries ahead (one 16-slot page in flight).
 constexpr int64_t kVerifyPrefetchAhead = 16;
 
-template <LoopMode kMode>
-VerifyArgs specialise(VerifyArgs a) {
-  if constexpr (kMode != kGeneric) a.slots.is64 = a.tokens.is64 = a.positions.is64 = a.prevs.is64 = kWideMode<kMode>;
-  if constexpr (kPlainMode<kMode>) {
-    a.check_token = false;
-    a.sources.count = 0;
-  }
-  return a;
-}
-
 // Entries [begin, end) of a verify launch, rows to `emit`.
-template <LoopMode kMode, class Emit>
-void verify_entries(const VerifyArgs& args, int64_t begin, int64_t end, Emit& emit) {
-  const VerifyArgs a = specialise<kMode>(args);
+template <class T, class Emit>
+void verify_entries(const VerifyArgs& a, int64_t begin, int64_t end, Emit& emit) {
   for (int64_t e = begin; e < end; ++e) {
 #if defined(__GNUC__)
     if (e + kVerifyPrefetchAhead < end) {
-      const int64_t s = a.slots[e + kVerifyPrefetchAhead];
+      const int64_t s = T::at(a.slots, e + kVerifyPrefetchAhead);
       if (s > 0 && s < a.canary.num_slots) __builtin_prefetch(a.canary.slot_ptr(s));
     }
 #endif
-    verify_entry(a, e, emit);
+    verify_entry<T>(a, e, emit);
   }
 }
 
@@ -91,26 +67,26 @@ void verify_launch(const VerifyArgs& a, int64_t capacity, int32_t num_valid, int
   const int64_t chunks = chunk_count(active, exec);
   const bool w = a.slots.is64;
   int64_t rows = 0;
-  with_loop_mode(a.tokens.is64 == w && a.positions.is64 == w && a.prevs.is64 == w, w,
-                 !a.check_token && !a.sources.active(), [&](auto mode) {
-    constexpr LoopMode kMode = decltype(mode)::value;
+  with_traits(a.tokens.is64 == w && a.positions.is64 == w && a.prevs.is64 == w, w,
+              !a.check_token && !a.sources.active(), [&](auto traits) {
+    using T = decltype(traits);
     if (chunks == 1) {
       RingAppender emit{log.ring, log.capacity, base};
-      verify_entries<kMode>(a, 0, active, emit);
+      verify_entries<T>(a, 0, active, emit);
       rows = emit.count;
       return;
     }
     std::vector<int64_t> chunk_rows(chunks);
     exec.run_chunks(chunks, [&](int64_t k) {
       RowCounter count;
-      verify_entries<kMode>(a, chunk_begin(k, chunks, active), chunk_begin(k + 1, chunks, active), count);
+      verify_entries<T>(a, chunk_begin(k, chunks, active), chunk_begin(k + 1, chunks, active), count);
       chunk_rows[k] = count.count;
     });
     for (int64_t k = 0; k < chunks; ++k) {
       const int64_t first = add_wrap(base, rows);
       if (chunk_rows[k] > 0 && first < log.capacity && add_wrap(first, chunk_rows[k]) > 0) {
         RingAppender emit{log.ring, log.capacity, first};
-        verify_entries<kMode>(a, chunk_begin(k, chunks, active), chunk_begin(k + 1, chunks, active), emit);
+        verify_entries<T>(a, chunk_begin(k, chunks, active), chunk_begin(k + 1, chunks, active), emit);
       }
       rows = add_wrap(rows, chunk_rows[k]);
     }
@@ -119,18 +95,6 @@ void verify_launch(const VerifyArgs& a, int64_t capacity, int32_t num_valid, int
 }
 
 // ---- WRITE ---------------------------------------------------------------------------------------
-template <LoopMode kMode>
-WriteArgs specialise(WriteArgs a) {
-  if constexpr (kMode != kGeneric)
-    a.seeds.is64 = a.input_ids.is64 = a.positions.is64 = a.locs.is64 = a.exp_tokens.is64 = a.exp_positions.is64 =
-        kWideMode<kMode>;
-  if constexpr (kPlainMode<kMode>) {
-    a.input_assert = false;
-    a.sources.count = 0;
-  }
-  return a;
-}
-
 // The monotone clamp of the offsets (format.md §7.3): o[r] for r in [0, active].
 inline std::vector<int64_t> clamped_offsets(IndexView offsets, int64_t active, int64_t num_tokens) {
   std::vector<int64_t> o(active + 1);
@@ -185,30 +149,43 @@ void write_launch(const WriteArgs& a, IndexView offsets, int64_t capacity, int32
   counter_add(log.kernel_counters, a.tag, 1);
   const int64_t active = write_active(num_valid_reqs, capacity);
   const int64_t base = log.write_index[0];
-  const std::vector<int64_t> o = clamped_offsets(offsets, active, num_tokens);
-  const int64_t entries = o.back() - o.front();
-  const int64_t chunks = active > 1 ? chunk_count(entries, exec) : 1;
-  const bool parallel = chunks > 1 && write_requests_independent(a, o, chunks, exec);
   const bool w = a.locs.is64;
   const bool same_width = a.seeds.is64 == w && a.input_ids.is64 == w && a.positions.is64 == w &&
                           (!a.input_assert || (a.exp_tokens.is64 == w && a.exp_positions.is64 == w));
+  // Several threads only for a large launch of several independent requests (see above).
+  std::vector<int64_t> o;
+  int64_t chunks = active > 1 ? chunk_count(num_tokens, exec) : 1;
+  if (chunks > 1) {
+    o = clamped_offsets(offsets, active, num_tokens);
+    chunks = chunk_count(o.back() - o.front(), exec);
+    if (chunks > 1 && !write_requests_independent(a, o, chunks, exec)) chunks = 1;
+  }
   int64_t written = 0, rows = 0;
-  with_loop_mode(same_width, w, !a.input_assert && !a.sources.active(), [&](auto mode) {
-    const WriteArgs s = specialise<decltype(mode)::value>(a);
-    if (!parallel) {
+  with_traits(same_width, w, !a.input_assert && !a.sources.active(), [&](auto traits) {
+    using T = decltype(traits);
+    if (chunks == 1) {  // requests in order, each over its monotone-clamped offset range
       RingAppender emit{log.ring, log.capacity, base};
-      for (int64_t r = 0; r < active; ++r) written += write_request(s, r, o[r], o[r + 1], emit);
+      int64_t running_max = offsets[0];
+      int64_t lo = clamp_offset(running_max, num_tokens);
+      for (int64_t r = 0; r < active; ++r) {
+        const int64_t next = offsets[r + 1];
+        if (next > running_max) running_max = next;
+        const int64_t hi = clamp_offset(running_max, num_tokens);
+        written += write_request<T>(a, r, lo, hi, emit);
+        lo = hi;
+      }
       rows = emit.count;
       return;
     }
     // Chunk k: the requests whose first entry lies in the k-th slice of the launch's entries.
+    const int64_t entries = o.back() - o.front();
     std::vector<int64_t> req_rows(active), req_written(active), first(chunks + 1);
     for (int64_t k = 0; k <= chunks; ++k)
       first[k] = std::lower_bound(o.begin(), o.end() - 1, o.front() + chunk_begin(k, chunks, entries)) - o.begin();
     exec.run_chunks(chunks, [&](int64_t k) {
       for (int64_t r = first[k]; r < first[k + 1]; ++r) {
         RowCounter count;
-        req_written[r] = write_request(s, r, o[r], o[r + 1], count);
+        req_written[r] = write_request<T>(a, r, o[r], o[r + 1], count);
         req_rows[r] = count.count;
       }
     });
@@ -216,7 +193,7 @@ void write_launch(const WriteArgs& a, IndexView offsets, int64_t capacity, int32
       const int64_t at = add_wrap(base, rows);
       if (req_rows[r] > 0 && at < log.capacity && add_wrap(at, req_rows[r]) > 0) {
         RingAppender emit{log.ring, log.capacity, at};
-        write_request(s, r, o[r], o[r + 1], emit, /*do_store=*/false);
+        write_request<T>(a, r, o[r], o[r + 1], emit, /*do_store=*/false);
       }
       rows = add_wrap(rows, req_rows[r]);
       written += req_written[r];
