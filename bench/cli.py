@@ -4,7 +4,8 @@ Sections (all by default, or ``--sections``):
   sweep     per-op throughput vs entries (bs=32) for every backend and baseline -> the plot
   matrix    upstream's kernel-benchmark scenario matrix (decode / prefill / SWA / real-KV)
   dispatch  per-call cost of a custom call inside jit (slope over N chained calls)
-  step      the canary's overhead inside a jitted serving step (off vs on)
+  targets   CPU: the serving path's hot cases against a C loop or one thread (bench/cpu_targets.py)
+  step      the canary's overhead inside a jitted serving step (off vs on), toy and realistic model sizes
 Outputs: ``<out>/<platform>-<date>.json``, ``.md``, ``.png`` and ``<out>/README_snippet.md``.
 """
 
@@ -25,6 +26,11 @@ SWEEP_BS = 32
 WRITE_PREFIX = 64
 
 DECODE_BS = (1, 32, 256, 1024)
+
+# Serving-step model sizes: the toy of bench/overhead.py, and sizes where the model dominates the step
+# as in real serving.
+REALISTIC = {"layers": 8, "d_model": 1024}
+REALISTIC_WIDE = {"layers": 8, "d_model": 2048}
 DECODE_PREFIX = (128, 1024, 4096, 16384)
 
 
@@ -60,19 +66,24 @@ def _matrix(mode: str):
 MODES = {
     # test-only: the whole pipeline on tiny sizes in seconds (tests/test_bench.py)
     "smoke": dict(rounds=5, target_s=0.0005, sweep=[16], xla_sweep=[16], ref_cap=512, xla_cap=512,
-                  chain=[1, 4], step=[(2, 32)], gpu_sweep=[16], copy_mib=8,
-                  step_model={"layers": 1, "d_model": 64, "vocab": 256}),
+                  chain=[1, 4], step=[(2, 32, {"layers": 1, "d_model": 64, "vocab": 256})], gpu_sweep=[16],
+                  copy_mib=8, targets=dict(chain_tokens=4096, decode_bs=16, scaling=(4, 256))),
     # rounds >= 5 everywhere; target_s = wall time of one contender's calls per round
     "quick": dict(rounds=5, target_s=0.004, sweep=[128, 2048], xla_sweep=[128], ref_cap=4096, xla_cap=4096,
-                  chain=[1, 16, 64], step=[(4, 256), (16, 1024)], gpu_sweep=[128, 2048, 32768]),
+                  chain=[1, 16, 64], step=[(4, 256), (16, 1024), (8, 512, REALISTIC)], gpu_sweep=[128, 2048, 32768],
+                  targets=dict(chain_tokens=1 << 20, decode_bs=256, scaling=(256, 4096))),
     "medium": dict(rounds=9, target_s=0.01, sweep=[128, 512, 2048, 8192, 32768], xla_sweep=[128, 2048],
                    ref_cap=16384, xla_cap=1 << 20, chain=[1, 4, 16, 64],
-                   step=[(8, 512), (32, 1024), (32, 4096), (128, 1024)],
-                   gpu_sweep=[128, 2048, 32768, 131072, 524288]),
+                   step=[(8, 512), (32, 1024), (32, 4096), (128, 1024), (8, 512, REALISTIC), (32, 1024, REALISTIC),
+                         (16, 2048, REALISTIC), (8, 1024, REALISTIC_WIDE)],
+                   gpu_sweep=[128, 2048, 32768, 131072, 524288],
+                   targets=dict(chain_tokens=1 << 20, decode_bs=256, scaling=(256, 4096))),
     "full": dict(rounds=7, target_s=0.05, sweep=[128, 512, 2048, 8192, 32768, 131072],
                  xla_sweep=[128, 2048, 32768], ref_cap=16384, xla_cap=1 << 20, chain=[1, 4, 16, 64, 128],
-                 step=[(8, 512), (32, 1024), (32, 4096), (128, 1024), (64, 4096)],
-                 gpu_sweep=[128, 2048, 32768, 131072, 524288]),
+                 step=[(8, 512), (32, 1024), (32, 4096), (128, 1024), (64, 4096), (8, 512, REALISTIC),
+                       (32, 1024, REALISTIC), (64, 4096, REALISTIC), (16, 2048, REALISTIC_WIDE)],
+                 gpu_sweep=[128, 2048, 32768, 131072, 524288],
+                 targets=dict(chain_tokens=1 << 20, decode_bs=256, scaling=(256, 4096))),
 }
 
 
@@ -89,8 +100,8 @@ def parse_args(argv=None):
     g.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help=argparse.SUPPRESS)
     ap.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--out", default=DEFAULT_OUT, help="output directory (default bench/results)")
-    ap.add_argument("--sections", default="sweep,matrix,dispatch,step",
-                    help="comma list of sweep,matrix,dispatch,step")
+    ap.add_argument("--sections", default="sweep,matrix,dispatch,targets,step",
+                    help="comma list of sweep,matrix,dispatch,targets,step")
     ap.add_argument("--no-xla", action="store_true", help="skip impl='xla' (its compiles are slow)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="", help="suffix for the output file names (default none)")
@@ -141,7 +152,7 @@ def run(argv=None) -> dict:
         raise SystemExit(f"bench: no {args.platform} device: {e}")
     dev = devices[0]
 
-    from . import harness, native, opbench, overhead, report, scenarios
+    from . import cpu_targets, harness, native, opbench, overhead, report, scenarios
 
     with jax.default_device(dev):
         meta = harness.machine_info(args.platform)
@@ -233,15 +244,29 @@ def run(argv=None) -> dict:
             out["dispatch"] = d
             meta.setdefault("section_s", {})["dispatch"] = round(time.time() - t_sec, 1)
 
+        if "targets" in sections and args.platform == "cpu" and "ffi" in backends and nat is not None:
+            t_sec = time.time()
+            tc = cfg["targets"]
+            _log("== the serving path's hot cases: ffi vs a C loop / one thread")
+            targets = [cpu_targets.write_chain(env, tc["chain_tokens"], seed=args.seed, **rk),
+                       cpu_targets.write_decode(env, tc["decode_bs"], 1024, seed=args.seed, **rk),
+                       cpu_targets.verify_scaling(*tc["scaling"], seed=args.seed, **rk)]
+            for line in report._targets_lines(targets)[2:]:
+                _log("    " + line)
+            out["targets"] = targets
+            meta.setdefault("section_s", {})["targets"] = round(time.time() - t_sec, 1)
+
         if "step" in sections:
             t_sec = time.time()
             _log("== serving step, canary off vs on")
             steps = []
-            for bs, p in cfg["step"]:
+            for bs, p, *model in cfg["step"]:
                 r = overhead.serving_step(bs, p, rounds=cfg["rounds"] + 4, target_s=cfg["target_s"], seed=args.seed,
-                                          model=cfg.get("step_model"))
-                _log(f"    bs={bs:4d} prefix={p:5d}  off={r['off_ms']:.2f} ms  on={r['on_ms']:.2f} ms  "
-                     f"on/off={r['on_over_off']:.3f}  [{r['canary']}] rows={r['violations_recorded']}")
+                                          model=model[0] if model else None)
+                md = r["model"]
+                _log(f"    {md['layers']}x{md['d_model']:<5d} bs={bs:4d} prefix={p:5d}  off={r['off_ms']:.2f} ms  "
+                     f"on={r['on_ms']:.2f} ms  on/off={r['on_over_off']:.3f}  canary only={r['canary_only_ms']:.2f} ms  "
+                     f"rows={r['violations_recorded']}")
                 steps.append(r)
             out["step"] = steps
             meta.setdefault("section_s", {})["step"] = round(time.time() - t_sec, 1)

@@ -51,6 +51,8 @@ class Native:
         lib.kvb_verify_mix3.restype = _I
         lib.kvb_write_chain.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _P]
         lib.kvb_write_chain.restype = _I
+        lib.kvb_write_chain_reps.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _P, _I]
+        lib.kvb_write_chain_reps.restype = _I
 
     def describe(self) -> dict:
         return {"compiler": self.cc, "compiler_version": self.compiler, "flags": " ".join(CFLAGS),
@@ -74,6 +76,13 @@ class Native:
         args = (_ptr(canary), canary.shape[0], canary.shape[1], _ptr(offsets), _ptr(seeds), num_reqs,
                 _ptr(ids), _ptr(positions), _ptr(locs))
         return lambda: (keep, self.lib.kvb_write_chain(*args))[1]
+
+    def write_chain_reps(self, canary, offsets, seeds, num_reqs: int, ids, positions, locs, reps: int):
+        """``write_chain`` run ``reps`` times inside C: one call's time / reps is one launch's cost."""
+        keep = (canary, _i32(offsets), _i32(seeds), _i32(ids), _i32(positions), _i32(locs))
+        args = (_ptr(canary), canary.shape[0], canary.shape[1], _ptr(offsets), _ptr(seeds), num_reqs,
+                _ptr(ids), _ptr(positions), _ptr(locs), int(reps))
+        return lambda: (keep, self.lib.kvb_write_chain_reps(*args))[1]
 
     def verify_mismatches(self, canary, slots, positions, prevs, n: int) -> int:
         """How many entries fail the mix3 loop's checks (0 on a clean scenario)."""

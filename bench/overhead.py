@@ -176,8 +176,12 @@ def _make_steps(ep, total_len):
         state = ep.tail(state, ctx, _sources(kc, vc))
         return kc, vc, state
 
+    def canary_only(kc, vc, state, b):  # the same launches on the same state, without the model
+        state, ctx = ep.head(state, _canary_batch(b))
+        return ep.tail(state, ctx, _sources(kc, vc))
+
     return (jax.jit(off, donate_argnums=(1, 2)), jax.jit(on, donate_argnums=(1, 2, 3)),
-            jax.jit(fill, donate_argnums=(1, 2, 3)))
+            jax.jit(fill, donate_argnums=(1, 2, 3)), jax.jit(canary_only, donate_argnums=(2,)))
 
 
 def _batch_arrays(rpi, prefix, extend, r2t, ids, pos, loc):
@@ -204,7 +208,7 @@ def serving_step(bs: int, prefix: int, *, rounds: int, target_s: float, seed: in
     params = _model_params(rng, model)
     d = model["d_model"]
     zeros = lambda: tuple(jnp.zeros((S, d), jnp.float32) for _ in range(model["layers"]))  # noqa: E731
-    off, on, fill = _make_steps(ep, length)
+    off, on, fill, canary_only = _make_steps(ep, length)
 
     # prefill the prefix (K/V stores + canary records, no attention), for both the on and off caches
     fill_b = _batch_arrays(rpi, np.zeros(bs), np.full(bs, prefix), r2t, tokens[1:, :prefix].reshape(-1),
@@ -214,7 +218,8 @@ def serving_step(bs: int, prefix: int, *, rounds: int, target_s: float, seed: in
     on_kc, on_vc, state = fill(params, zeros(), zeros(), ep.init_state(), fill_b)
     off_kc = tuple(jnp.array(a, copy=True) for a in on_kc)
     off_vc = tuple(jnp.array(a, copy=True) for a in on_vc)
-    st = {"on": (on_kc, on_vc, state), "off": (off_kc, off_vc)}
+    st = {"on": (on_kc, on_vc, state), "off": (off_kc, off_vc),
+          "canary": jax.tree.map(lambda x: jnp.array(x, copy=True), state)}
 
     def run_off():
         kc, vc = st["off"]
@@ -228,13 +233,23 @@ def serving_step(bs: int, prefix: int, *, rounds: int, target_s: float, seed: in
         st["on"] = (kc, vc, s)
         return nxt, s
 
-    res = measure([Contender("canary_off", run_off, kind="baseline"), Contender("canary_on", run_on)],
-                  rounds=rounds, target_s=target_s)
-    rows = st["on"][2].log.total()
+    def run_canary():
+        kc, vc, _ = st["on"]
+        st["canary"] = canary_only(kc, vc, st["canary"], step_b)
+        return st["canary"]
+
+    res = measure([Contender("canary_off", run_off, kind="baseline"), Contender("canary_on", run_on),
+                   Contender("canary_only", run_canary)], rounds=rounds, target_s=target_s)
+    rows = st["on"][2].log.total() + st["canary"].log.total()
+    halves = len(ep.halves)
     return {"bs": bs, "prefix": prefix, "num_slots": S, "verify_entries_per_verify": bs * prefix,
             "canary": "runtime.CanaryEndpoints",
-            "launches_per_step": "plan + HEAD verify/write K,V + TAIL verify/write K,V (real-KV PARTIAL, layer 0)",
+            "launches": "plan + HEAD verify/write K,V + TAIL verify/write K,V (real-KV PARTIAL, layer 0)",
             "off_ms": res["canary_off"].median * 1e3, "on_ms": res["canary_on"].median * 1e3,
             "on_over_off": ratio(res, "canary_off", "canary_on"),
+            "canary_only_ms": res["canary_only"].median * 1e3,
+            "launches_per_step": 1 + 2 * halves * 2,
+            "verified_entries_per_step": 2 * halves * bs * prefix,
+            "fingerprint_bytes_per_step": halves * (bs * prefix + bs) * 16,
             "spread_off": res["canary_off"].spread, "spread_on": res["canary_on"].spread,
             "violations_recorded": rows, "model": model}

@@ -94,6 +94,30 @@ def test_acceptance_logic():
     assert acc["all_ok"] is False
 
 
+def test_acceptance_of_the_serving_path_targets():
+    from bench import report
+    step = dict(bs=8, prefix=512, violations_recorded=0)
+    out = {"meta": {"mode": "medium"},
+           "targets": [{"target": "write_chain", "tokens": 1 << 20, "ffi_over_c": 0.79, "violations_recorded": 0},
+                       {"target": "write_decode", "requests": 256, "ffi_over_c": 0.85, "violations_recorded": 0},
+                       {"target": "verify_scaling", "entries": 1 << 20, "cpu_count": 2, "speedup": 1.75,
+                        "violations_recorded": 0},
+                       {"target": "verify_scaling", "entries": 99, "cpu_count": 1, "speedup": 1.0,
+                        "violations_recorded": 3}],
+           "step": [dict(step, model={"layers": 4, "d_model": 256}, on_over_off=1.20),
+                    dict(step, model={"layers": 8, "d_model": 1024}, on_over_off=1.04),
+                    dict(step, model={"layers": 8, "d_model": 2048}, on_over_off=1.06)]}
+    got = {c["what"]: c["ok"] for c in report.acceptance(out, "cpu")["checks"]}
+    assert got == {
+        "write 1 x 1048576 tokens: ffi / native C chain loop >= 0.8": False,
+        "write 256 decode requests (cost inside jit): ffi / native C chain loop >= 0.8": True,
+        "verify 1048576 entries: thread pool / one thread >= 1.7": True,        # 1 core: no scaling check
+        "clean path in verify_scaling": False,
+        "serving step 8x1024 bs=8 prefix=512: canary on / off <= 1.05": True,   # the toy size is not judged
+        "serving step 8x2048 bs=8 prefix=512: canary on / off <= 1.05": False,
+        "clean path: no violation row recorded while timing": True}
+
+
 def _native_or_skip():
     from bench import native
     nat, why = native.load()

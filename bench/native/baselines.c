@@ -12,6 +12,8 @@
  *                      and the real_kv_hash == 0 check; counts mismatches. No ring, no OOB rows.
  *   kvb_write_chain    WRITE limit: per request, the seed's successor hash, then per entry one
  *                      32-byte record store and one mix3 step (the serial chain). No asserts, no rows.
+ *   kvb_write_chain_reps   kvb_write_chain `reps` times in a row (the cost of one small launch without
+ *                      the cost of calling C from Python: compared with a custom call's cost inside jit).
  */
 #include <stdint.h>
 #include <string.h>
@@ -102,5 +104,14 @@ int64_t kvb_write_chain(uint8_t* canary, int64_t num_slots, int64_t stride, cons
       ++written;
     }
   }
+  return written;
+}
+
+int64_t kvb_write_chain_reps(uint8_t* canary, int64_t num_slots, int64_t stride, const int32_t* offsets,
+                             const int32_t* seeds, int64_t num_reqs, const int32_t* ids, const int32_t* positions,
+                             const int32_t* locs, int64_t reps) {
+  int64_t written = 0;
+  for (int64_t k = 0; k < reps; ++k)
+    written += kvb_write_chain(canary, num_slots, stride, offsets, seeds, num_reqs, ids, positions, locs);
   return written;
 }
