@@ -18,7 +18,7 @@ compiled code. Host slot 0, which verify treats as padding, is folded on the hos
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional
 
 import jax
 import numpy as np
@@ -232,8 +232,7 @@ def check_host_copy(sources, records, slots, *, real_kv_hash_mode, tag, report_s
 
 
 def check_records(sources_by_name: dict, records: dict, slots, *, stage: str, real_kv_hash_mode,
-                  report_slots=None, impl: Optional[str] = None,
-                  names: Sequence[str] = ()) -> HostCheckResult:
+                  report_slots=None, impl: Optional[str] = None) -> HostCheckResult:
     """``check_host_copy`` for several halves / groups at once: for each TAIL canary name
     (``'TAIL_K_FULL'``, ...) in ``records`` that has host sources in ``sources_by_name``, check with
     tag ``HOST_{stage}_{half}_{group}``; the rows are concatenated in name order.
@@ -245,10 +244,9 @@ def check_records(sources_by_name: dict, records: dict, slots, *, stage: str, re
       slots: ``{group: int[n_g]}``, host slots per group.
       stage: ``'BACKUP'`` or ``'TRANSFER'``.
       report_slots: ``{group: int[n_g]}`` or None.
-      names: restrict to these canary names (default: every TAIL name with sources).
     """
     all_rows, checked = [], 0
-    for name in sorted(names or records):
+    for name in sorted(records):
         if not name.startswith("TAIL_") or name not in sources_by_name:
             continue
         _, half, group = name.split("_")
