@@ -118,3 +118,21 @@ def test_errors(kwargs, text):
     with pytest.raises(ValueError, match=re.escape("kv-canary: records must have shape (len(slots), 32) = "
                                                    "(5, 32), got (6, 32)")):
         H.check_host_copy(kvc.RealKvSource(host, 2, 64, 64), records, host_slots[:5], real_kv_hash_mode=2, tag=12)
+
+
+def test_monitor_reports_host_rows_in_its_mode():
+    from jax_kvcanary.runtime import CanaryViolationError, Monitor
+    host, host_slots, records, dev_slots = _device_round()
+    host.view(np.uint8).reshape(6, -1)[1, 0] ^= 1                 # host slot 2: device slot 9, position 0
+    res = H.check_host_copy(kvc.RealKvSource(host, 2, 64, 64), records, host_slots, real_kv_hash_mode=2,
+                            tag=HostCheckTag.HOST_BACKUP_K_FULL, report_slots=dev_slots)
+    logged = []
+    mon = Monitor("log", logger=type("L", (), {"warning": lambda self, m: logged.append(m)})())
+    (v,) = mon.report_rows(res.rows)
+    assert (v.tag_name, v.slot, v.position, mon.total) == ("HOST_BACKUP_K_FULL", 9, 0, 1)
+    assert logged == res.reports()
+    mon = Monitor("raise")
+    with pytest.raises(CanaryViolationError, match="^kv_canary violation: launch_tag=HOST_BACKUP_K_FULL "
+                                                   "fail_reason=verify_real_kv_hash slot_idx=9 position=0 "):
+        mon.report_rows(res.rows)
+    assert mon.report_rows(res.rows) == []                          # nothing more after raising
