@@ -5,6 +5,7 @@ Sections (all by default, or ``--sections``):
   matrix    upstream's kernel-benchmark scenario matrix (decode / prefill / SWA / real-KV)
   dispatch  per-call cost of a custom call inside jit (slope over N chained calls)
   step      the canary's overhead inside a jitted serving step (off vs on)
+  offload   the host check of an offloaded KV copy vs a plain host memcpy of the same bytes
 Outputs: ``<out>/<platform>-<date>.json``, ``.md``, ``.png`` and ``<out>/README_snippet.md``.
 """
 
@@ -89,8 +90,8 @@ def parse_args(argv=None):
     g.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help=argparse.SUPPRESS)
     ap.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--out", default=DEFAULT_OUT, help="output directory (default bench/results)")
-    ap.add_argument("--sections", default="sweep,matrix,dispatch,step",
-                    help="comma list of sweep,matrix,dispatch,step")
+    ap.add_argument("--sections", default="sweep,matrix,dispatch,step,offload",
+                    help="comma list of sweep,matrix,dispatch,step,offload")
     ap.add_argument("--no-xla", action="store_true", help="skip impl='xla' (its compiles are slow)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="", help="suffix for the output file names (default none)")
@@ -141,7 +142,7 @@ def run(argv=None) -> dict:
         raise SystemExit(f"bench: no {args.platform} device: {e}")
     dev = devices[0]
 
-    from . import harness, native, opbench, overhead, report, scenarios
+    from . import harness, native, offload, opbench, overhead, report, scenarios
 
     with jax.default_device(dev):
         meta = harness.machine_info(args.platform)
@@ -245,6 +246,12 @@ def run(argv=None) -> dict:
                 steps.append(r)
             out["step"] = steps
             meta.setdefault("section_s", {})["step"] = round(time.time() - t_sec, 1)
+
+        if "offload" in sections:
+            t_sec = time.time()
+            _log("== host check of an offloaded copy vs memcpy")
+            out["offload"] = offload.run(args.mode, rounds=cfg["rounds"], target_s=cfg["target_s"], log=_log)
+            meta.setdefault("section_s", {})["offload"] = round(time.time() - t_sec, 1)
 
         out["acceptance"] = report.acceptance(out, args.platform)
         meta["elapsed_s"] = round(time.time() - t_start, 1)

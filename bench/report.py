@@ -241,6 +241,9 @@ def markdown(out: dict) -> str:
         for s in out["step"]:
             L.append(f"| {s['bs']} | {s['prefix']} | {s['off_ms']:.2f} | {s['on_ms']:.2f} | {s['on_over_off']:.3f} |")
         L.append("")
+    if out.get("offload"):
+        from .offload import markdown as offload_markdown
+        L += offload_markdown(out["offload"])
     if m["platform"] == "gpu" and (out.get("sweep") or out.get("matrix")):
         L += ["## Achieved bandwidth", "", "Bytes per entry: the fewest an op must move (see bench/report.py).", ""]
         L += _bw_table(out.get("sweep", []) + out.get("matrix", [])) + [""]
@@ -278,6 +281,10 @@ def snippet(out: dict, md_name: str) -> str:
         d = out["dispatch"]["ops"]
         parts = [f"{k} {v['per_call_us']:.1f} us" for k, v in d.items()]
         L += ["Per-call cost inside jit (slope over chained calls): " + ", ".join(parts) + ".", ""]
+    if out.get("offload"):
+        L += ["Host check of an offloaded KV copy (bytes/s over a plain host memcpy of the same bytes): "
+              + ", ".join(f"{r['mode']} {r['slots']} slots x {r['token_bytes']} B: {r['check_over_memcpy']:.3f}"
+                          for r in out["offload"]) + ".", ""]
     return "\n".join(L) + "\n"
 
 

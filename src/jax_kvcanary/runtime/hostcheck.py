@@ -18,9 +18,11 @@ compiled code. Host slot 0, which verify treats as padding, is folded on the hos
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .. import checks, consts, hashing, ops
@@ -87,12 +89,6 @@ def _cpu():
     return jax.devices("cpu")[0]
 
 
-def _on_cpu(x):
-    """A CPU jax array of ``x``: in place for a 64-byte-aligned C-contiguous numpy array or an array
-    already there, else one copy."""
-    return jax.device_put(x, _cpu())
-
-
 def _as_sources(sources):
     """A single source as a 1-tuple; anything else as given (``checks.real_kv`` judges it)."""
     return (sources,) if isinstance(sources, RealKvSource) else sources
@@ -113,35 +109,47 @@ def _ranks(s: np.ndarray) -> np.ndarray:
     return ranks
 
 
-def _native_rows(cpu_sources, rec, s, entries, mode, tag, impl):
-    """``(entry index, row)`` pairs from one verify launch per repeated-slot rank over ``entries``
-    (host slots ``> 0`` inside every source)."""
+@functools.lru_cache(maxsize=None)
+def _verify_fn(tag: int, mode: int, impl, geometry: tuple):
+    """The jitted verify of one host-check launch: ``(canary, plan int32[3, V], num_valid int32[1],
+    *source arrays) -> (write_index, ring)``; the log is made inside, so only the inputs cross."""
+    def run(canary, plan, num_valid, *arrays):
+        cap = plan.shape[1]
+        log = ViolationLog(jnp.zeros((cap, consts.VIOLATION_ROW_BYTES), jnp.uint8), jnp.zeros((1,), jnp.int32),
+                           jnp.zeros((NUM_TAGS, consts.COUNTER_BYTES), jnp.uint8),
+                           jnp.zeros((NUM_TAGS, consts.COUNTER_BYTES), jnp.uint8), jnp.ones((1,), jnp.int32))
+        vp = VerifyPlan(plan[0], jnp.full((cap,), -1, jnp.int32), plan[1], plan[2], num_valid,
+                        jnp.ones((1,), jnp.int32))
+        sources = tuple(RealKvSource(a, *g) for a, g in zip(arrays, geometry))
+        out = ops.verify(canary, log, vp, tag=tag, real_kv_sources=sources, real_kv_hash_mode=mode, impl=impl)
+        return out.write_index, out.ring
+    return jax.jit(run)
+
+
+def _native_rows(srcs, rec, s, entries, mode, tag, impl):
+    """``(entry indices, rows)`` lists from one verify launch per repeated-slot rank over ``entries``
+    (host slots ``> 0`` inside every source), on the CPU device."""
     num_slots = bucket_capacity(int(s[entries].max()) + 1, 1)
-    ranks = _ranks(s[entries]) if np.unique(s[entries]).size != entries.size else \
-        np.zeros(entries.size, np.int64)
+    seen = np.zeros(num_slots, bool)
+    seen[s[entries]] = True
+    ranks = np.zeros(entries.size, np.int64) if np.count_nonzero(seen) == entries.size else _ranks(s[entries])
+    fn = _verify_fn(tag, mode, impl, tuple((x.page_size, x.num_bytes_per_token, x.read_bytes) for x in srcs))
     out_e, out_r = [], []
     for rank in range(int(ranks.max()) + 1):
         g = entries[ranks == rank]
         cap = bucket_capacity(g.size, 1)
         canary = aligned_host_array((num_slots, consts.CANARY_SLOT_BYTES), np.uint8)
         canary[s[g]] = rec[g].view(np.uint8)
-        plan = np.zeros((4, cap), np.int32)
+        plan = aligned_host_array((3, cap), np.int32)
         plan[0, :g.size] = s[g]
-        plan[1, :g.size] = -1
-        plan[2, :g.size] = rec[g, 1].astype(np.int32)   # low bits; a mismatch here is masked below
-        vp = VerifyPlan(*(_on_cpu(plan[i]) for i in range(4)),
-                        num_valid=_on_cpu(np.array([g.size], np.int32)),
-                        enable=_on_cpu(np.ones((1,), np.int32)))
-        log = ViolationLog(ring=_on_cpu(np.zeros((cap, consts.VIOLATION_ROW_BYTES), np.uint8)),
-                           write_index=_on_cpu(np.zeros((1,), np.int32)),
-                           kernel_run_counters=_on_cpu(np.zeros((NUM_TAGS, 8), np.uint8)),
-                           slot_run_counters=_on_cpu(np.zeros((NUM_TAGS, 8), np.uint8)),
-                           enable_chain_position_assert=_on_cpu(np.ones((1,), np.int32)))
-        rows = ops.verify(_on_cpu(canary), log, vp, tag=tag, real_kv_sources=cpu_sources,
-                          real_kv_hash_mode=mode, impl=impl).rows()
-        rows = rows[(rows[:, 7] & _RKV) != 0]     # only the fingerprint counts (positions: see plan)
-        if rows.shape[0] == 0:
+        plan[1, :g.size] = rec[g, 1].astype(np.int32)   # low bits; a mismatch here is masked below
+        with jax.default_device(_cpu()):
+            count, ring = fn(canary, plan, np.array([g.size], np.int32), *(x.array for x in srcs))
+        k = min(int(np.asarray(count)[0]), cap)
+        if k == 0:
             continue
+        rows = np.asarray(ring)[:k].view("<i8").astype(np.int64)
+        rows = rows[(rows[:, 7] & _RKV) != 0]      # only the fingerprint counts (positions: see plan)
         rows[:, 7] = _RKV
         order = np.argsort(s[g], kind="stable")
         out_e.append(g[order[np.searchsorted(s[g][order], rows[:, 1])]])
@@ -217,9 +225,7 @@ def check_host_copy(sources, records, slots, *, real_kv_hash_mode, tag, report_s
 
     i = np.flatnonzero(ok & (s > 0))
     if i.size:
-        cpu_sources = tuple(RealKvSource(_on_cpu(src.array), src.page_size, src.num_bytes_per_token,
-                                         src.read_bytes) for src in srcs)
-        e, r = _native_rows(cpu_sources, rec, s, i, mode, tag, impl)
+        e, r = _native_rows(srcs, rec, s, i, mode, tag, impl)
         for ee, rr in zip(e, r):
             rr[:, 1] = names[ee]
         entries += e
