@@ -37,6 +37,7 @@ NUM_TAGS = max(HostCheckTag) + 1
 _RKV = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
 _OOB = int(FailReason.INDEX_OUT_OF_RANGE)
 _ALIGN = 64
+_MIN_BUCKET = 64      # smallest canary and plan bucket: small checks share one compiled launch
 
 
 def host_tag(stage: str, half: str, group: str) -> HostCheckTag:
@@ -129,7 +130,7 @@ def _verify_fn(tag: int, mode: int, impl, geometry: tuple):
 def _native_rows(srcs, rec, s, entries, mode, tag, impl):
     """``(entry indices, rows)`` lists from one verify launch per repeated-slot rank over ``entries``
     (host slots ``> 0`` inside every source), on the CPU device."""
-    num_slots = bucket_capacity(int(s[entries].max()) + 1, 1)
+    num_slots = bucket_capacity(int(s[entries].max()) + 1, _MIN_BUCKET)
     seen = np.zeros(num_slots, bool)
     seen[s[entries]] = True
     ranks = np.zeros(entries.size, np.int64) if np.count_nonzero(seen) == entries.size else _ranks(s[entries])
@@ -137,7 +138,7 @@ def _native_rows(srcs, rec, s, entries, mode, tag, impl):
     out_e, out_r = [], []
     for rank in range(int(ranks.max()) + 1):
         g = entries[ranks == rank]
-        cap = bucket_capacity(g.size, 1)
+        cap = bucket_capacity(g.size, _MIN_BUCKET)
         canary = aligned_host_array((num_slots, consts.CANARY_SLOT_BYTES), np.uint8)
         canary[s[g]] = rec[g].view(np.uint8)
         plan = aligned_host_array((3, cap), np.int32)

@@ -221,10 +221,14 @@ class Monitor:
             self.logger.warning(v.report)
         return new
 
-    def report_rows(self, rows) -> List[Violation]:
+    def report_rows(self, rows, step: Optional[int] = None) -> List[Violation]:
         """Report rows found on the host (``hostcheck.check_host_copy``, a transfer's check) like ring
         rows: the same text, counting and mode (log each, or raise ``CanaryViolationError`` with all
-        of them). ``rows``: ``int64[k, 8]``; ``total_violations`` in the text is ``k``.
+        of them). Host rows need no readback, so they are reported at once.
+
+        Args:
+          rows: ``int64[k, 8]``; ``total_violations`` in their text is ``k``.
+          step: the step the rows belong to (``step_when_pumped``; default the monitor's step count).
 
         Returns:
           The new violations (``list[Violation]``); ``index`` is a row's place in ``rows``.
@@ -233,8 +237,9 @@ class Monitor:
         if self.mode == "none" or self.stopped or rows.shape[0] == 0:
             return []
         n = int(rows.shape[0])
-        new = [Violation(r.copy(), format_report(r, total=n, ring_capacity=n, step=self.steps),
-                         self.steps, i, n, n) for i, r in enumerate(rows)]
+        step = self.steps if step is None else int(step)
+        new = [Violation(r.copy(), format_report(r, total=n, ring_capacity=n, step=step), step, i, n, n)
+               for i, r in enumerate(rows)]
         self.host_total += n
         return self._emit(new)
 
