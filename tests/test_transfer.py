@@ -58,6 +58,8 @@ def test_round_trip_of_the_framing():
     assert pack.fingerprints == {"TAIL_K_FULL": (("FULL/k/0", 64),)} and int(pack.real_kv_hash_mode) == 2
     _, result = unpack_transfer(_pack())          # zero records vs non-zero KV: three rows
     assert [r[1] for r in result.rows] == [4, 5, 6]
+    for data in (bytearray(_pack()), np.frombuffer(_pack(), np.uint8), np.frombuffer(_pack(), np.uint8).view(np.int32)):
+        assert unpack_transfer(data, check=False)[0].slots["FULL"].tolist() == [4, 5, 6]
 
 
 def _edit(fn):

@@ -189,7 +189,8 @@ def unpack_transfer(data, *, check: bool = True, impl: Optional[str] = None
       ValueError (``TransferError``): a ``kv-canary:`` message for a truncated pack, a wrong magic or
         version, a corrupt header, or arrays that do not fit the pack or its groups.
     """
-    buf = memoryview(np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1))
+    raw = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+    buf = memoryview(np.ascontiguousarray(raw).reshape(-1).view(np.uint8))
     head, start = _header(buf)
     n = len(buf)
     try:
