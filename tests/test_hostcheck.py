@@ -136,3 +136,14 @@ def test_monitor_reports_host_rows_in_its_mode():
                                                    "fail_reason=verify_real_kv_hash slot_idx=9 position=0 "):
         mon.report_rows(res.rows)
     assert mon.report_rows(res.rows) == []                          # nothing more after raising
+
+
+def test_host_check_tags_follow_the_upstream_twelve():
+    from jax_kvcanary.consts import LaunchTag, tag_name
+    from jax_kvcanary.runtime.report import canary_kind
+    assert len(LaunchTag) == 12 and [int(t) for t in HostCheckTag] == list(range(12, 20))
+    assert H.host_tag("TRANSFER", "V", "SWA") == HostCheckTag.HOST_TRANSFER_V_SWA == 19
+    assert (tag_name(11), tag_name(12), tag_name(19), tag_name(20)) == (
+        "SWEEP_V_SWA", "HOST_BACKUP_K_FULL", "HOST_TRANSFER_V_SWA", "unknown(20)")
+    assert (canary_kind(2), canary_kind(17), canary_kind(20)) == (
+        "per_forward_tail_k_full", "host_backup_v_swa", "unknown(20)")

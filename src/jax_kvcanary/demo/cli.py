@@ -295,8 +295,9 @@ def _print_summary(args, engine, res, handler, overhead, t_start, t_warm):
         p(f"  fault injected     no target found for {args.inject} (try more --steps)")
     extra = f" reported of {mon.total} recorded" if mon.total != len(mon.violations) else ""
     p(f"  violations         {len(mon.violations)}{extra}")
+    width = max([14] + [len(tag) + 1 for tag, _ in mon.by_tag_reason])   # HOST_TRANSFER_K_FULL is 20
     for (tag, reason), n in sorted(mon.by_tag_reason.items()):
-        p(f"    {tag:<14}{reason:<22}{n:>6}   (first reported at step {res.first_seen.get((tag, reason))})")
+        p(f"    {tag:<{width}}{reason:<22}{n:>6}   (first reported at step {res.first_seen.get((tag, reason))})")
     if handler.hidden:
         p(f"  ({handler.hidden} more reports were logged by the monitor but not shown here)")
     if overhead is not None:
