@@ -6,6 +6,7 @@ Sections (all by default, or ``--sections``):
   dispatch  per-call cost of a custom call inside jit (slope over N chained calls)
   targets   CPU: the serving path's hot cases against a C loop or one thread (bench/cpu_targets.py)
   step      the canary's overhead inside a jitted serving step (off vs on), toy and realistic model sizes
+  offload   the host check of an offloaded KV copy vs a plain host memcpy of the same bytes
 Outputs: ``<out>/<platform>-<date>.json``, ``.md``, ``.png`` and ``<out>/README_snippet.md``.
 """
 
@@ -100,8 +101,8 @@ def parse_args(argv=None):
     g.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help=argparse.SUPPRESS)
     ap.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--out", default=DEFAULT_OUT, help="output directory (default bench/results)")
-    ap.add_argument("--sections", default="sweep,matrix,dispatch,targets,step",
-                    help="comma list of sweep,matrix,dispatch,targets,step")
+    ap.add_argument("--sections", default="sweep,matrix,dispatch,targets,step,offload",
+                    help="comma list of sweep,matrix,dispatch,targets,step,offload")
     ap.add_argument("--no-xla", action="store_true", help="skip impl='xla' (its compiles are slow)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="", help="suffix for the output file names (default none)")
@@ -152,7 +153,7 @@ def run(argv=None) -> dict:
         raise SystemExit(f"bench: no {args.platform} device: {e}")
     dev = devices[0]
 
-    from . import cpu_targets, harness, native, opbench, overhead, report, scenarios
+    from . import cpu_targets, harness, native, offload, opbench, overhead, report, scenarios
 
     with jax.default_device(dev):
         meta = harness.machine_info(args.platform)
@@ -270,6 +271,12 @@ def run(argv=None) -> dict:
                 steps.append(r)
             out["step"] = steps
             meta.setdefault("section_s", {})["step"] = round(time.time() - t_sec, 1)
+
+        if "offload" in sections:
+            t_sec = time.time()
+            _log("== host check of an offloaded copy vs memcpy")
+            out["offload"] = offload.run(args.mode, rounds=cfg["rounds"], target_s=cfg["target_s"], log=_log)
+            meta.setdefault("section_s", {})["offload"] = round(time.time() - t_sec, 1)
 
         out["acceptance"] = report.acceptance(out, args.platform)
         meta["elapsed_s"] = round(time.time() - t_start, 1)

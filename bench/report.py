@@ -291,6 +291,9 @@ def markdown(out: dict) -> str:
                      f"{s['canary_only_ms']:.2f} | {s['launches_per_step']} | {s['verified_entries_per_step']} | "
                      f"{s['fingerprint_bytes_per_step']} |")
         L.append("")
+    if out.get("offload"):
+        from .offload import markdown as offload_markdown
+        L += offload_markdown(out["offload"])
     if m["platform"] == "gpu" and (out.get("sweep") or out.get("matrix")):
         L += ["## Achieved bandwidth", "", "Bytes per entry: the fewest an op must move (see bench/report.py).", ""]
         L += _bw_table(out.get("sweep", []) + out.get("matrix", [])) + [""]
@@ -332,6 +335,10 @@ def snippet(out: dict, md_name: str) -> str:
         d = out["dispatch"]["ops"]
         parts = [f"{k} {v['per_call_us']:.1f} us" for k, v in d.items()]
         L += ["Per-call cost inside jit (slope over chained calls): " + ", ".join(parts) + ".", ""]
+    if out.get("offload"):
+        L += ["Host check of an offloaded KV copy (bytes/s over a plain host memcpy of the same bytes): "
+              + ", ".join(f"{r['mode']} {r['slots']} slots x {r['token_bytes']} B: {r['check_over_memcpy']:.3f}"
+                          for r in out["offload"]) + ".", ""]
     return "\n".join(L) + "\n"
 
 

@@ -163,8 +163,10 @@ def test_smoke_run_writes_every_output(tmp_path):
     except ImportError:
         pass
     data = json.loads((tmp_path / f"{stem}.json").read_text())
-    for key in ("meta", "sweep", "matrix", "dispatch", "step", "acceptance", "copy_bandwidth"):
+    for key in ("meta", "sweep", "matrix", "dispatch", "step", "offload", "acceptance", "copy_bandwidth"):
         assert key in data
+    assert {r["mode"] for r in data["offload"]} == {"ALL", "PARTIAL"}
+    assert all(r["check_over_memcpy"] > 0 and r["bytes_per_s"]["host_check"] > 0 for r in data["offload"])
     assert {r["op"] for r in data["sweep"]} == {"verify", "write", "plan"}
     for r in data["sweep"] + data["matrix"]:
         assert r["contenders"]["ffi"]["entries_per_s"] > 0
@@ -176,4 +178,5 @@ def test_smoke_run_writes_every_output(tmp_path):
     assert set(data["dispatch"]["ops"]) >= {"verify[ffi]", "write[ffi]", "plan[ffi]", "xla_op"}
     md = (tmp_path / f"{stem}.md").read_text()
     assert "## Per-op throughput" in md and "## Scenario matrix" in md and "on/off" in md
+    assert "## Host check of an offloaded copy vs memcpy" in md
     assert "python -m bench --smoke" in (tmp_path / "README_snippet.md").read_text()

@@ -14,6 +14,7 @@ from .consts import (
     NUM_LAUNCH_TAGS,
     VIOLATION_FIELDS,
     FailReason,
+    HostCheckTag,
     IndexKind,
     LaunchTag,
     RealKvHashMode,
@@ -27,7 +28,7 @@ from ._ffi import cpu_threads, set_cpu_threads
 
 __all__ = [
     "CANARY_ANCHOR_HASH", "CANARY_CHAIN_ANCHOR", "CANARY_SLOT_BYTES", "DEFAULT_RING_CAPACITY",
-    "MAX_REAL_KV_SOURCES", "NUM_LAUNCH_TAGS", "VIOLATION_FIELDS", "FailReason", "IndexKind", "LaunchTag",
+    "MAX_REAL_KV_SOURCES", "NUM_LAUNCH_TAGS", "VIOLATION_FIELDS", "FailReason", "HostCheckTag", "IndexKind", "LaunchTag",
     "RealKvHashMode", "KvCanaryTypeError", "RealKvSource", "VerifyPlan", "WritePlan", "ViolationLog",
     "ViolationRow", "canary_fields", "cpu_threads", "decode_row", "new_canary_buffer", "plan", "scatter_req_token_ids",
     "set_cpu_threads", "verify", "write", "consts",

@@ -152,6 +152,16 @@ def index_array(x, name: str, length: int | None = None, length_text: str | None
     return n
 
 
+def records(x, n: int, name: str = "records") -> None:
+    """Exported canary records (format.md §14.1): ``uint8[n, 32]``."""
+    if not _is_array(x):
+        raise KvCanaryTypeError(f"kv-canary: {name} must be a jax.Array, got {type(x).__name__}")
+    if _dtype(x) != np.uint8:
+        raise KvCanaryTypeError(f"kv-canary: {name} must have dtype uint8, got {_dtype(x).name}")
+    if _shape(x) != (n, consts.CANARY_SLOT_BYTES):
+        raise ValueError(f"kv-canary: {name} must have shape (len(slots), 32) = ({n}, 32), got {_shape(x)}")
+
+
 def scalar_i32(x, name: str) -> None:
     """[IDX] 5-6: an exact ``int32[1]`` field."""
     _exact(x, name, np.int32, (1,))

@@ -1,7 +1,8 @@
 """Constants and enums of the canary format: the one Python source of truth.
 
 Every integer here is mirrored, with the same value, in ``cuda/canary_core.h``
-(``tests/test_consts.py`` parses the header and compares).
+(``tests/test_consts.py`` parses the header and compares), except ``HostCheckTag``: the host-check
+tags only ever reach the native code as a tag value, to which it attaches no meaning.
 """
 
 import enum
@@ -77,6 +78,21 @@ class LaunchTag(enum.IntEnum):
     SWEEP_V_SWA = 11
 
 
+class HostCheckTag(enum.IntEnum):
+    """This project's launch tags after the upstream 12 (format.md §2.6): the host-side checks of KV
+    that left the device (``runtime.hostcheck``). HOST_BACKUP: a host copy right after the
+    device-to-host copy; HOST_TRANSFER: a transfer pack on the receiving side."""
+
+    HOST_BACKUP_K_FULL = 12
+    HOST_BACKUP_V_FULL = 13
+    HOST_TRANSFER_K_FULL = 14
+    HOST_TRANSFER_V_FULL = 15
+    HOST_BACKUP_K_SWA = 16
+    HOST_BACKUP_V_SWA = 17
+    HOST_TRANSFER_K_SWA = 18
+    HOST_TRANSFER_V_SWA = 19
+
+
 class RealKvHashMode(enum.IntEnum):
     """How many bytes of each real-KV source are folded per slot."""
 
@@ -108,11 +124,13 @@ def fail_reason_label(bit: int) -> str:
 
 
 def tag_name(kind: int) -> str:
-    """``LaunchTag`` name for 0..11, else ``unknown({kind})``."""
-    try:
-        return LaunchTag(int(kind)).name
-    except ValueError:
-        return f"unknown({int(kind)})"
+    """``LaunchTag`` name for 0..11, ``HostCheckTag`` name for 12..19, else ``unknown({kind})``."""
+    for enum_cls in (LaunchTag, HostCheckTag):
+        try:
+            return enum_cls(int(kind)).name
+        except ValueError:
+            continue
+    return f"unknown({int(kind)})"
 
 
 def reason_labels(bits: int) -> list:

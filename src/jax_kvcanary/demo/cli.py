@@ -2,12 +2,16 @@
 
     python -m jax_kvcanary.demo [--steps 40] [--requests 8] [--inject KIND] [--mode log|raise]
                                 [--real-kv none|partial|all] [--sweep-interval 8] [--devices 1]
+                                [--offload]
 
 It serves a batch of requests (shared prefixes through a prefix cache, chunked prefill then decode,
 an SWA layer with its own slot pool and LUT), shows a progress bar, then a summary: tokens served,
 slots verified / written per tag, violations by tag and reason, and the canary's overhead (the
 recorded steps replayed with the canary off and on). ``--inject KIND`` injects one fault
-(``jax_kvcanary.runtime.perturb.KINDS``) and reports when and how it was detected.
+(``jax_kvcanary.runtime.perturb.KINDS``, and with ``--offload`` the ``OFFLOAD_KINDS``) and reports when
+and how it was detected. ``--offload`` adds a host tier: cold prefix-cache slots are evicted to host
+memory with their canary records (the host copy is checked) and reloaded into new slots, through a
+transfer pack that is checked on arrival, on a prefix hit.
 
 Exit status: 0 clean (or log mode); 1 a ``CanaryViolationError`` in raise mode; 2 an injected fault
 that was not detected as expected; 3 a failed health check.
@@ -22,7 +26,7 @@ import time
 
 from ..runtime import perturb
 
-FAULT_KINDS = perturb.KINDS
+FAULT_KINDS = perturb.KINDS + perturb.OFFLOAD_KINDS
 REAL_KV = {"none": "NONE", "partial": "PARTIAL", "all": "ALL"}
 MAX_LOGGED_REPORTS = 6
 
@@ -53,6 +57,8 @@ def parse_args(argv=None):
                    help="log a kv_canary stats line every N steps (default 0 = off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-overhead", action="store_true", help="skip the canary on/off replay")
+    p.add_argument("--offload", action="store_true",
+                   help="host offload tier: evict cold prefix-cache slots to host, reload them on a hit")
     args = p.parse_args(argv)
     if args.steps < 1 or args.requests < 1 or args.devices < 1:
         p.error("--steps, --requests and --devices must be >= 1")
@@ -64,6 +70,12 @@ def parse_args(argv=None):
         p.error("--inject real_kv_unused_cache is detected by a sweep: use --sweep-interval N > 0")
     if args.inject_group == "swa" and args.no_swa:
         p.error("--inject-group swa needs the SWA layer (drop --no-swa)")
+    if args.inject in perturb.OFFLOAD_KINDS and (not args.offload or args.inject_group != "full"):
+        p.error(f"--inject {args.inject} needs the offload tier (--offload) and targets the full group")
+    if args.inject in ("offload_byte_flip", "transfer_byte_flip") and args.real_kv == "none":
+        p.error(f"--inject {args.inject} is detected by the real-KV fingerprint: use --real-kv partial|all")
+    if args.offload and args.devices > 1:
+        p.error("--offload runs on one device (drop --devices)")
     return args
 
 
@@ -152,7 +164,8 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     swa = not args.no_swa
-    ecfg = EngineConfig(requests=args.requests, swa=swa, devices=args.devices, seed=args.seed)
+    ecfg = EngineConfig(requests=args.requests, swa=swa, devices=args.devices, seed=args.seed,
+                        offload=args.offload)
     ccfg = CanaryConfig(mode=args.mode, real_kv_hash_mode=REAL_KV[args.real_kv],
                         sweep_interval=args.sweep_interval,
                         groups=("FULL", "SWA") if swa else ("FULL",),
@@ -238,7 +251,8 @@ def _print_header(args, engine):
     p(f"  model   {len(m.layers)} layers ({' + '.join(m.layers)}{window}), d_model {m.d_model}, "
       f"{m.heads} heads x {m.head_dim}, vocab {m.vocab}, random weights; {devs}")
     p(f"  cache   {engine.num_slots} slots in pages of {m.page_size}, batch {e.batch_rows} rows x "
-      f"{e.token_budget} tokens, prefill chunks of {e.chunk_size}, prefix cache")
+      f"{e.token_budget} tokens, prefill chunks of {e.chunk_size}, prefix cache"
+      + (", host offload tier" if e.offload else ""))
     p(f"  canary  mode={c.mode} real_kv={args.real_kv} sweep_interval={c.sweep_interval} "
       f"groups={','.join(c.groups)} halves={','.join(c.halves)} write_input_assert=on "
       f"token_check={'on' if c.token_check else 'off'} impl={_impl_name()}")
@@ -257,6 +271,10 @@ def _print_summary(args, engine, res, handler, overhead, t_start, t_warm):
       f"from the prefix cache, {engine.remaps} slots remapped to cached donors")
     p(f"  sweeps             {engine.sweeps} ({engine.sweep_entries} cached slots verified per "
       "group and half)")
+    if engine.tier is not None:
+        t = engine.tier
+        p(f"  offload tier       {t.offloaded} slots offloaded to host, {t.reloaded} reloaded into new slots; "
+          f"{t.checked} host-side fingerprint checks (host copies and transfer packs)")
     if mon.counters is not None:
         ndev = mon.counters.kernel_runs.shape[0]
         p("  slots per tag      (incl. the warm-up step" + (f"; summed over {ndev} devices)" if ndev > 1 else ")"))
@@ -277,8 +295,9 @@ def _print_summary(args, engine, res, handler, overhead, t_start, t_warm):
         p(f"  fault injected     no target found for {args.inject} (try more --steps)")
     extra = f" reported of {mon.total} recorded" if mon.total != len(mon.violations) else ""
     p(f"  violations         {len(mon.violations)}{extra}")
+    width = max([14] + [len(tag) + 1 for tag, _ in mon.by_tag_reason])   # HOST_TRANSFER_K_FULL is 20
     for (tag, reason), n in sorted(mon.by_tag_reason.items()):
-        p(f"    {tag:<14}{reason:<22}{n:>6}   (first reported at step {res.first_seen.get((tag, reason))})")
+        p(f"    {tag:<{width}}{reason:<22}{n:>6}   (first reported at step {res.first_seen.get((tag, reason))})")
     if handler.hidden:
         p(f"  ({handler.hidden} more reports were logged by the monitor but not shown here)")
     if overhead is not None:
@@ -288,7 +307,7 @@ def _print_summary(args, engine, res, handler, overhead, t_start, t_warm):
     p(f"  wall time          {time.perf_counter() - t_start:.1f} s (start-up and compile {t_warm:.1f} s)")
     if res.error is not None:
         p("")
-        p(f"{type(res.error).__name__} at step {mon.steps}:")
+        p(f"{type(res.error).__name__} at step {engine.step_no}:")
         p(str(res.error))
     sys.stdout.flush()
 

@@ -2,14 +2,16 @@
 
 One ``iterate()`` is one serving step:
 
-Faults are injected by ``faults.FaultInjectorMixin``; the jitted functions live in ``steps``.
+Faults are injected by ``faults.FaultInjectorMixin``; the jitted functions live in ``steps``; the
+optional offload tier (``EngineConfig.offload``) in ``hosttier``.
 
-1. schedule (host): admit arrivals (prefix-cache match), give each running request a prefill
+1. schedule (host): admit arrivals (prefix-cache match; with the offload tier, offloaded matched
+   nodes are reloaded first), give each running request a prefill
    chunk or one decode token, allocate slots (and SWA slots + LUT entries), fill ``req_to_token``;
 2. the jitted, donated step: canary HEAD -> model forward (writes K/V) -> canary TAIL;
 3. read the sampled tokens (the scheduler needs them), append outputs, cache finished prompts
    (remapping duplicate slots to the cached donor slot), free finished requests, evict SWA slots
-   that left every window;
+   that left every window; with the offload tier, move cold cached nodes to the host;
 4. every ``sweep_interval`` steps a SWEEP of the prefix cache;
 5. ``monitor.step(state)``: lagged readback of the canary (reports step T's rows after step T+1).
 
@@ -35,6 +37,7 @@ from ..runtime.sweep import build_group_sweep_plans
 from . import model as M
 from . import steps
 from .faults import FaultInjectorMixin
+from .hosttier import HostTier
 from .kvpool import PrefixCache, SlotAllocator
 from .workload import Request, make_workload
 
@@ -42,7 +45,8 @@ from .workload import Request, make_workload
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Static sizes of the toy engine. ``devices > 1`` splits attention heads (and so each
-    layer's KV) over that many devices; each device has its own canary state and ring."""
+    layer's KV) over that many devices; each device has its own canary state and ring.
+    ``offload`` adds the host offload tier (one device, canary on)."""
 
     requests: int = 8
     batch_rows: int = 8
@@ -55,6 +59,7 @@ class EngineConfig:
     devices: int = 1
     seed: int = 0
     vocab: int = 256
+    offload: bool = False
 
 
 class ToyEngine(FaultInjectorMixin):
@@ -105,6 +110,10 @@ class ToyEngine(FaultInjectorMixin):
         self.step_off = self._build_step(False)
         self.sweep_fn = self._build_sweep() if canary.enabled else None
         self.monitor = Monitor.from_config(canary, logger=logger) if canary.enabled else None
+        if cfg.offload and (cfg.devices != 1 or not canary.enabled):
+            raise ValueError("toy engine: the offload tier needs one device and the canary on")
+        self.tier = HostTier(self) if cfg.offload else None
+        self._host_found = []                       # violations the host checks reported this step
 
     # -- placement ------------------------------------------------------------------------------
     def _place_params(self, rep, sh):
@@ -183,10 +192,13 @@ class ToyEngine(FaultInjectorMixin):
                and len(self.running) < self.cfg.batch_rows and self.free_rows):
             req = self.waiting[0]
             nodes = self.cache.match(req.prompt[:-1])
-            need = len(req.prompt) + req.max_new - len(nodes)
+            offloaded = [n for n in nodes if n.host_slot is not None]
+            need = len(req.prompt) + req.max_new - len(nodes) + len(offloaded)
             if self.alloc.num_free < need or self.swa_alloc.num_free < need:
                 break
             self.waiting.pop(0)
+            if offloaded:
+                self._host_found += self.tier.reload(offloaded)
             req.rp = self.free_rows.pop()
             for n in nodes:
                 n.ref += 1
@@ -270,7 +282,10 @@ class ToyEngine(FaultInjectorMixin):
             if id(n) not in held:
                 n.ref += 1
             mine = r.slots[p]
-            if n.slot != mine:                      # an equal slot is cached: remap to the donor
+            if n.host_slot is not None:             # the equal node is offloaded: it takes this slot
+                self.tier.adopt(n, mine)
+                r.own.discard(mine)
+            elif n.slot != mine:                    # an equal slot is cached: remap to the donor
                 r.slots[p] = n.slot
                 self.req_to_token[r.rp, p] = n.slot
                 r.own.discard(mine)
@@ -319,8 +334,10 @@ class ToyEngine(FaultInjectorMixin):
 
     # -- one serving step -----------------------------------------------------------------------
     def iterate(self):
-        """One serving step; returns the violations the monitor reported after it."""
+        """One serving step; returns the violations the monitor (and the offload tier's host
+        checks) reported after it."""
         self.step_no += 1
+        self._host_found = []
         rows, b = self.schedule()
         self._inject_pre(rows, b)
         db = self._device_batch(b)
@@ -330,6 +347,8 @@ class ToyEngine(FaultInjectorMixin):
         truth = np.asarray(nt).copy()               # the scheduler needs the sampled tokens
         tokens = self._inject_post_sample(rows, truth.copy())
         self.postprocess(rows, tokens, truth)
+        if self.tier is not None:
+            self._host_found += self.tier.offload_cold()
         plans = None
         si = self.canary.sweep_interval if self.canary.enabled else 0
         if si and self.step_no % si == 0:
@@ -343,7 +362,9 @@ class ToyEngine(FaultInjectorMixin):
             self.sweep_entries += len(chains)
         if self.record:
             self.trace.append((db, plans))
-        return self.monitor.step(self.cstate) if self.monitor is not None else []
+        if self.monitor is None:
+            return []
+        return self._host_found + self.monitor.step(self.cstate)
 
     @property
     def done(self) -> bool:

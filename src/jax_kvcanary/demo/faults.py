@@ -3,17 +3,23 @@ functions of ``runtime.perturb`` at the point of the step that format.md §11 na
 
 Phases: ``pre`` (before the step: req_to_token swap, real-KV flip on a used slot),
 ``post_forward`` (after TAIL: flip on a slot just written), ``post_sample`` (next-token swap),
-``pre_sweep`` (on a sweep step: flip on a cached slot no running request references).
+``pre_sweep`` (on a sweep step: flip on a cached slot no running request references), and with the
+offload tier ``offload`` (a byte of the host copy, before its check), ``transfer`` (a byte of a reload's
+transfer pack in transit) and ``reload`` (two entries of a reload's slot list swapped).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
+
 from ..runtime import perturb
+from ..runtime.transfer import unpack_transfer
 
 PHASES = {"req_to_token_swap": "pre", "real_kv_used": "pre", "real_kv_post_forward": "post_forward",
-          "next_token_swap": "post_sample", "real_kv_unused_cache": "pre_sweep"}
+          "next_token_swap": "post_sample", "real_kv_unused_cache": "pre_sweep",
+          "offload_byte_flip": "offload", "transfer_byte_flip": "transfer", "reload_wrong_slot": "reload"}
 
 
 class FaultInjectorMixin:
@@ -21,10 +27,12 @@ class FaultInjectorMixin:
 
     def arm(self, kind: str, step: int, *, group: str = "FULL", device: Optional[int] = None):
         """Inject fault ``kind`` at the first step >= ``step`` where it has a target."""
-        if kind not in perturb.KINDS:
-            raise ValueError(f"unknown fault kind {kind!r}; choose from {perturb.KINDS}")
+        if kind not in perturb.KINDS + perturb.OFFLOAD_KINDS:
+            raise ValueError(f"unknown fault kind {kind!r}; choose from {perturb.KINDS + perturb.OFFLOAD_KINDS}")
         if group == "SWA" and not self.cfg.swa:
             raise ValueError("fault group SWA needs the SWA layer (swa=True)")
+        if kind in perturb.OFFLOAD_KINDS and (not self.cfg.offload or group != "FULL"):
+            raise ValueError(f"fault {kind} needs the offload tier (offload=True) and targets the FULL group")
         if self.mesh is None:
             device = None
         elif device is None:
@@ -121,6 +129,38 @@ class FaultInjectorMixin:
                 self._record_fault(self._flip(group, slot, perturb.flip_real_kv_unused_cache,
                                               n.depth, device))
                 return
+
+    def _inject_offload(self, tier, host, full, nodes):
+        """``offload_byte_flip``: a byte of the first offloaded slot's host copy of layer-0 K."""
+        if self._due("offload") is None:
+            return
+        li = self.mcfg.first_layer("full")
+        tier.kv["k"][li], fault = perturb.flip_host_copy_byte(
+            tier.kv["k"][li], int(host[0]), slot=int(full[0]), position=nodes[0].depth, page_size=self.cfg.page_size,
+            num_bytes_per_token=self.mcfg.token_bytes)
+        self._record_fault(fault)
+
+    def _inject_transfer(self, data: bytes, nodes):
+        """``transfer_byte_flip``: byte 0 of the last entry's layer-0 K in the reload's pack."""
+        if self._due("transfer") is None:
+            return data
+        pack, _ = unpack_transfer(data, check=False)
+        j = len(nodes) - 1
+        entry = pack.kv[f"FULL/k/{self.mcfg.first_layer('full')}"][j]
+        offset = entry.ctypes.data - np.frombuffer(data, np.uint8).ctypes.data
+        data, fault = perturb.flip_transfer_byte(data, offset, slot=int(pack.slots["FULL"][j]),
+                                                 position=nodes[j].depth)
+        self._record_fault(fault)
+        return data
+
+    def _inject_reload(self, new, nodes):
+        """``reload_wrong_slot``: the reload copies entries 0 and 1 to each other's slots."""
+        if self._due("reload") is None or len(nodes) < 2:
+            return new
+        dst, fault = perturb.swap_reload_slots(new, 0, 1, positions=(nodes[0].depth, nodes[1].depth),
+                                               halves=self.canary.halves)
+        self._record_fault(fault)
+        return dst
 
     def _record_fault(self, fault):
         if fault is not None:

@@ -43,14 +43,16 @@ class SlotAllocator:
 
 class Node:
     """One cached token: its slot, position (= depth) and tree links. ``ref`` counts running
-    requests that hold it."""
+    requests that hold it. ``host_slot`` is set while the node's KV lives in the offload tier
+    (its device ``slot`` is then -1); a resident node's ancestors are resident."""
 
-    __slots__ = ("token", "slot", "depth", "parent", "children", "ref")
+    __slots__ = ("token", "slot", "depth", "parent", "children", "ref", "host_slot")
 
     def __init__(self, token: int, slot: int, depth: int, parent: Optional["Node"]):
         self.token, self.slot, self.depth, self.parent = token, slot, depth, parent
         self.children: Dict[int, Node] = {}
         self.ref = 0
+        self.host_slot: Optional[int] = None
 
 
 class PrefixCache:
@@ -94,15 +96,15 @@ class PrefixCache:
         return out
 
     def chains(self) -> np.ndarray:
-        """``int64[n, 3]``: ``(slot, position, prev_slot)`` of every cached node (prev -1 at a
-        root child): what a SWEEP verifies."""
+        """``int64[n, 3]``: ``(slot, position, prev_slot)`` of every device-resident cached node
+        (prev -1 at a root child): what a SWEEP verifies."""
         rows = [(n.slot, n.depth, n.parent.slot if n.parent is not self.root else -1)
-                for n in self.nodes()]
+                for n in self.nodes() if n.host_slot is None]
         return np.asarray(rows, np.int64).reshape(-1, 3)
 
     def slots(self) -> set:
         return {n.slot for n in self.nodes()}
 
     def unused_nodes(self) -> List[Node]:
-        """Cached nodes that no running request references."""
-        return [n for n in self.nodes() if n.ref == 0]
+        """Device-resident cached nodes that no running request references (parents first)."""
+        return [n for n in self.nodes() if n.ref == 0 and n.host_slot is None]

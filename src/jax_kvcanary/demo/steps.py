@@ -3,6 +3,7 @@ the same shape (tests, the demo's runs) compiles them once.
 
 ``step(rep, sh, kv, cstate, batch) -> (kv, cstate, next_tokens)``: canary HEAD, model forward,
 canary TAIL (or the forward alone with the canary off). ``sweep(kv, cstate, plans) -> cstate``.
+``offload_fns``: the offload tier's gather (KV + records out) and scatter (back into new slots).
 Both donate the state; with ``devices > 1`` they run under ``jax.shard_map``, each device on its own
 KV shard, canary buffers and ring.
 """
@@ -12,11 +13,13 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ..runtime.config import CanaryConfig
 from ..runtime.endpoints import CanaryBatch, CanaryEndpoints
 from ..runtime.multidevice import AXIS, device_mesh, global_view, local_view
+from ..runtime.offload import export_state_records, import_state_records
 from . import model as M
 
 
@@ -90,3 +93,41 @@ def sweep_fn(mcfg: M.ModelConfig, ccfg: CanaryConfig, sizes, devices: int):
 
     return jax.jit(jax.shard_map(body, mesh=device_mesh(devices), in_specs=(P(AXIS), P(AXIS), P()),
                                  out_specs=P(AXIS)), donate_argnums=(1,))
+
+
+def _slot_lists(ccfg: CanaryConfig, full, swa):
+    return {g: (full if g == "FULL" else swa) for g in ccfg.groups}
+
+
+@functools.lru_cache(maxsize=None)
+def offload_fns(mcfg: M.ModelConfig, ccfg: CanaryConfig):
+    """The offload tier's device side, jitted (one device):
+
+    ``gather(kv, cstate, full, swa) -> (rows, records, out_of_range)``: every layer's K and V of the
+    slots (``rows[h][layer]``: ``[n, heads, head_dim]``; full layers at ``full``, SWA layers at
+    ``swa``) and the records of every HEAD/TAIL canary, exported with the same lists;
+    ``scatter(kv, cstate, full, swa, rows, records) -> (kv, cstate, out_of_range)``: the way back
+    (kv and the canary state donated). A negative slot is padding: nothing is read or written.
+    """
+    def layer_slots(kind, full, swa):
+        return full if kind == "full" else swa
+
+    def gather(kv, cs, full, swa):
+        rows = {h: [jnp.take(a.reshape((-1,) + a.shape[2:]), jnp.clip(layer_slots(kind, full, swa), 0, None), axis=0)
+                    for a, kind in zip(kv[h], mcfg.layers)] for h in kv}
+        records, oob = export_state_records(cs, _slot_lists(ccfg, full, swa))
+        return rows, records, oob
+
+    def scatter(kv, cs, full, swa, rows, records):
+        new = {}
+        for h in kv:
+            new[h] = []
+            for a, kind, r in zip(kv[h], mcfg.layers, rows[h]):
+                flat = a.reshape((-1,) + a.shape[2:])
+                s = layer_slots(kind, full, swa)
+                flat = flat.at[jnp.where(s >= 0, s, flat.shape[0])].set(r, mode="drop")
+                new[h].append(flat.reshape(a.shape))
+        cs, oob = import_state_records(cs, _slot_lists(ccfg, full, swa), records)
+        return new, cs, oob
+
+    return jax.jit(gather), jax.jit(scatter, donate_argnums=(0, 1))

@@ -129,6 +129,7 @@ class Monitor:
         self._pending = None        # (snapshot array, monitor step)
         self._state = None          # last state passed in (its ring is read on a counter move)
         self._watermark = None      # int64[D]
+        self.host_total = 0         # rows given to report_rows
 
     @classmethod
     def from_config(cls, config: CanaryConfig, **kw) -> "Monitor":
@@ -201,6 +202,14 @@ class Monitor:
                                          device=d if multi else None)
                     new.append(Violation(row, text, self.steps, i, total, cap, d if multi else None))
                 self._watermark[d] = max(int(self._watermark[d]), int(ends[d]))
+        self._emit(new)
+        self.health.observe(snap_step, counters.kernel_runs)
+        if self.stats_interval and snap_step % self.stats_interval == 0:
+            self.logger.info(self.stats_line(snap_step))
+        return new
+
+    def _emit(self, new: List[Violation]) -> List[Violation]:
+        """Count, keep and log the new violations, or raise them (mode 'raise')."""
         for v in new:
             for r in v.reasons:
                 self.by_tag_reason[(v.tag_name, r)] += 1
@@ -210,15 +219,36 @@ class Monitor:
             raise CanaryViolationError("\n".join(v.report for v in new), new)
         for v in new:
             self.logger.warning(v.report)
-        self.health.observe(snap_step, counters.kernel_runs)
-        if self.stats_interval and snap_step % self.stats_interval == 0:
-            self.logger.info(self.stats_line(snap_step))
         return new
+
+    def report_rows(self, rows, step: Optional[int] = None) -> List[Violation]:
+        """Report rows found on the host (``hostcheck.check_host_copy``, a transfer's check) like ring
+        rows: the same text, counting and mode (log each, or raise ``CanaryViolationError`` with all
+        of them). Host rows need no readback, so they are reported at once.
+
+        Args:
+          rows: ``int64[k, 8]``; ``total_violations`` in their text is ``k``.
+          step: the step the rows belong to (``step_when_pumped``; default the monitor's step count).
+
+        Returns:
+          The new violations (``list[Violation]``); ``index`` is a row's place in ``rows``.
+        """
+        rows = np.asarray(rows, np.int64).reshape(-1, consts.VIOLATION_FIELDS)
+        if self.mode == "none" or self.stopped or rows.shape[0] == 0:
+            return []
+        n = int(rows.shape[0])
+        step = self.steps if step is None else int(step)
+        new = [Violation(r.copy(), format_report(r, total=n, ring_capacity=n, step=step), step, i, n, n)
+               for i, r in enumerate(rows)]
+        self.host_total += n
+        return self._emit(new)
 
     @property
     def total(self) -> int:
-        """Violations recorded so far (sum of ``write_index`` over devices, as last read back)."""
-        return 0 if self.counters is None else int(self.counters.write_index.sum())
+        """Violations recorded so far: the sum of ``write_index`` over devices, as last read back, plus
+        the rows given to ``report_rows``."""
+        device = 0 if self.counters is None else int(self.counters.write_index.sum())
+        return device + self.host_total
 
     def stats_line(self, steps: Optional[int] = None) -> str:
         """``kv_canary stats: steps=N violations=V TAG=runs:..,verified:..,written:.. ...`` from the

@@ -1,4 +1,5 @@
-"""Fault injection: pure functions that inject each upstream fault kind (format.md §11).
+"""Fault injection: pure functions that inject each upstream fault kind (format.md §11), and the
+faults of KV that leaves the device (``OFFLOAD_KINDS``, format.md §14).
 
 Each function returns the corrupted copy of what it changes (the input is left as it was) and a
 ``Fault`` saying what changed and which tag / reason must fire, so tests can assert the exact
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..consts import FailReason, LaunchTag
+from ..consts import FailReason, HostCheckTag
 from .config import launch_tag
 from ..consts import fail_reason_label
 
@@ -27,7 +28,7 @@ KINDS = ("req_to_token_swap", "real_kv_used", "real_kv_unused_cache", "real_kv_p
 class Fault:
     """What a fault changed and how it must be detected.
 
-    kind              one of ``KINDS``
+    kind              one of ``KINDS`` or ``OFFLOAD_KINDS``
     group             'FULL' | 'SWA' (the group whose canary must fire first)
     slot, position    the corrupted slot (in that group's slot space) and its position; -1 = n/a
     changed           human-readable description of the change (old -> new)
@@ -41,7 +42,7 @@ class Fault:
     slot: int
     position: int
     changed: str
-    expected_tags: Tuple[LaunchTag, ...]
+    expected_tags: Tuple[int, ...]          # LaunchTag or HostCheckTag values
     expected_reasons: Tuple[FailReason, ...]
     device: Optional[int] = None
 
@@ -190,3 +191,52 @@ def swap_next_tokens(next_tokens, i: int, j: int, *, groups: Sequence[str] = ("F
     return out, Fault("next_token_swap", groups[0], -1, -1,
                       f"next tokens of rows {i} and {j}: ({a}, {b}) -> ({b}, {a})", tags,
                       (FailReason.WRITE_TOKEN_MISMATCH,))
+
+
+# -- KV that leaves the device (format.md §14) ------------------------------------------------------
+OFFLOAD_KINDS = ("offload_byte_flip", "reload_wrong_slot", "transfer_byte_flip")
+
+
+def flip_host_copy_byte(host_kv, host_slot: int, *, slot: int, position: int, page_size: int,
+                        num_bytes_per_token: int, group: str = "FULL"):
+    """``offload_byte_flip``: XOR 0xFF into byte 0 of ``host_slot``'s strip of a host copy of layer-0 K
+    (numpy), between the device-to-host copy and the host check. Detected by that check as
+    ``verify_real_kv_hash`` on ``HOST_BACKUP_K_<group>``, naming the device ``slot``. Returns
+    ``(host_kv, Fault)``."""
+    out = np.array(host_kv, copy=True)
+    row, col = divmod(int(host_slot), int(page_size))
+    out.reshape(out.shape[0], -1).view(np.uint8)[row, col * int(num_bytes_per_token)] ^= np.uint8(0xFF)
+    return out, Fault("offload_byte_flip", group, int(slot), int(position),
+                          f"byte 0 of host slot {host_slot} (device slot {slot}, position {position}) XOR 0xFF "
+                          "in the host copy of layer-0 K", (HostCheckTag[f"HOST_BACKUP_K_{group}"],),
+                          (FailReason.VERIFY_REAL_KV_HASH_MISMATCH,))
+
+
+def swap_reload_slots(dst_slots, i: int, j: int, *, positions: Tuple[int, int], group: str = "FULL",
+                      halves: Sequence[str] = ("K", "V")):
+    """``reload_wrong_slot``: exchange entries ``i`` and ``j`` of the slot list a reload copies KV *and*
+    records to, while the engine's tables keep the intended slots: a mapping bug on the way back.
+    The next step's HEAD and TAIL verifies report ``verify_position`` / ``verify_chain_hash`` at the
+    two slots. ``positions``: the positions of entries ``i`` and ``j``. Returns ``(slots, Fault)``."""
+    a, b = int(dst_slots[i]), int(dst_slots[j])
+    if a == b or positions[0] == positions[1]:
+        raise ValueError("kv-canary: swap_reload_slots needs two different slots holding different positions")
+    out = _set(np.asarray(dst_slots), i, b)
+    out[j] = a
+    tags = tuple(sorted(launch_tag(st, h, group) for h in halves for st in ("HEAD", "TAIL")))
+    return out, Fault("reload_wrong_slot", group, a, int(positions[0]),
+                      f"reload copies to slots ({a}, {b}) swapped: positions {positions[0]} and {positions[1]}",
+                      tags, (FailReason.VERIFY_POSITION_MISMATCH, FailReason.VERIFY_CHAIN_HASH_MISMATCH))
+
+
+def flip_transfer_byte(data: bytes, offset: int, *, slot: int, position: int, group: str = "FULL"):
+    """``transfer_byte_flip``: XOR 0xFF into byte ``offset`` of a transfer pack in transit, inside the
+    layer-0 K bytes of the entry whose sender slot is ``slot``. Detected on the receiving side by the
+    pack's check as ``verify_real_kv_hash`` on ``HOST_TRANSFER_K_<group>`` with the sender's slot and
+    position. Returns ``(data, Fault)``."""
+    out = bytearray(data)
+    out[int(offset)] ^= 0xFF
+    return bytes(out), Fault("transfer_byte_flip", group, int(slot), int(position),
+                             f"byte {offset} of the transfer pack (sender slot {slot}, position {position}, "
+                             "layer-0 K) XOR 0xFF", (HostCheckTag[f"HOST_TRANSFER_K_{group}"],),
+                             (FailReason.VERIFY_REAL_KV_HASH_MISMATCH,))

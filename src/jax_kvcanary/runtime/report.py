@@ -12,7 +12,7 @@ import dataclasses
 import re
 from typing import Optional, Sequence
 
-from ..consts import FailReason, LaunchTag, index_kind_label, reason_labels, tag_name
+from ..consts import FailReason, HostCheckTag, LaunchTag, index_kind_label, reason_labels, tag_name
 
 _U64 = (1 << 64) - 1
 _WRITE_BITS = int(FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH)
@@ -36,7 +36,12 @@ def hex64(value: int) -> str:
 
 
 def canary_kind(kind: int) -> str:
-    """``sweep_*`` for SWEEP tags, ``per_forward_*`` for HEAD/TAIL tags, ``unknown(k)`` otherwise."""
+    """``sweep_*`` for SWEEP tags, ``per_forward_*`` for HEAD/TAIL tags, ``host_backup_*`` /
+    ``host_transfer_*`` for the host-check tags (format.md §2.6), ``unknown(k)`` otherwise."""
+    try:
+        return HostCheckTag(int(kind)).name.lower()
+    except ValueError:
+        pass
     try:
         name = LaunchTag(int(kind)).name.lower()
     except ValueError:
