@@ -212,7 +212,8 @@ def _prep_sources(sources, mode):
 
 
 def _rkv_address(srcs, sc):
-    """First unaddressable source of int32 slots sc >= 0: (k or -1, row value, bound)."""
+    """First unaddressable source of int32 slots sc >= 0: (k or -1, row value, bound); all -1 / 0
+    when there are no sources."""
     first = jnp.full(sc.shape, -1, I32)
     rowval = jnp.zeros(sc.shape, I32)
     bound = jnp.zeros(sc.shape, I32)
@@ -281,12 +282,8 @@ def verify(canary, log, verify_plan, *, tag: int, check_verify_expected_token: b
     prev_oob = live & (prev >= S)
     epos = _pi(vp.expected_positions)
     etok = _pi(vp.expected_tokens) if check else _pc(-1, n)
-    if srcs:
-        rk_first, rk_row, rk_bound = _rkv_address(srcs, sc)
-        rkv_oob = live & (rk_first >= 0)
-    else:
-        rk_first = rk_row = rk_bound = jnp.zeros(n, I32)
-        rkv_oob = jnp.zeros(n, bool)
+    rk_first, rk_row, rk_bound = _rkv_address(srcs, sc)
+    rkv_oob = live & (rk_first >= 0)
     chain_checked = live & (prev != 0) & (prev < S)
     pc = _i32(jnp.clip(prev, 0, S - 1))
     p_tok, p_pos, p_chain, _ = _read_records(canary, pc)
@@ -467,12 +464,8 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag: 
     in_range = nonskip & (slot < S)
     m0 = ent_act & (i_all == r_lo[req_all]) & seed_oob[req_all]
     sc = _i32(jnp.clip(slot, 0, S - 1))
-    if srcs:
-        rk_first, rk_row, rk_bound = _rkv_address(srcs, sc)
-        rkv_oob = in_range & (rk_first >= 0)
-    else:
-        rk_first = rk_row = rk_bound = jnp.zeros(n, I32)
-        rkv_oob = jnp.zeros(n, bool)
+    rk_first, rk_row, rk_bound = _rkv_address(srcs, sc)
+    rkv_oob = in_range & (rk_first >= 0)
     slot_oob = nonskip & (slot >= S)
     m1 = slot_oob | rkv_oob
     if input_assert:
