@@ -4,6 +4,7 @@
 #include "registrations.h"
 
 NB_MODULE(_kvcanary, m) {
+  m.def("build_info", &kvcanary::build_info);
   m.def("registrations", []() {
     return kvcanary::registrations(kvcanary::kvcanary_verify_cpu, kvcanary::kvcanary_write_cpu,
                                    kvcanary::kvcanary_plan_cpu, kvcanary::kvcanary_scatter_cpu);

@@ -1,9 +1,13 @@
-// registrations.h: what both nanobind modules export, registrations() -> {FFI target name: capsule}.
+// registrations.h: what both nanobind modules export, registrations() -> {FFI target name: capsule}
+// and build_info() -> {"jaxlib": version string, "ffi_api": (major, minor)}.
 // One target name per op on every platform: each module passes its own platform's four handlers and
-// jax_kvcanary/_ffi.py registers them for that platform.
+// jax_kvcanary/_ffi.py registers them for that platform, unless the running jaxlib is older than the
+// one the handlers were compiled against (it may refuse their XLA FFI API version).
 #pragma once
 
 #include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/c_api.h"
 
 namespace kvcanary {
 
@@ -14,6 +18,13 @@ nanobind::dict registrations(Verify* verify, Write* write, Plan* plan, Scatter* 
   out["kvcanary_write"] = nanobind::capsule(reinterpret_cast<void*>(write));
   out["kvcanary_plan"] = nanobind::capsule(reinterpret_cast<void*>(plan));
   out["kvcanary_scatter"] = nanobind::capsule(reinterpret_cast<void*>(scatter));
+  return out;
+}
+
+inline nanobind::dict build_info() {
+  nanobind::dict out;
+  out["jaxlib"] = KVCANARY_BUILD_JAXLIB_VERSION;
+  out["ffi_api"] = nanobind::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   return out;
 }
 

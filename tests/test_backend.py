@@ -180,3 +180,52 @@ def test_describe_reports_the_native_backend_here():
     if "cpu" in _ffi.NATIVE_PLATFORMS and not os.environ.get(backend.IMPL_ENV):
         assert (impl, reason) == ("ffi", None)
     assert backend.describe("tpu")[0] == "xla"
+
+
+def test_build_mismatch_refuses_only_a_running_jaxlib_older_than_the_build():
+    info = {"jaxlib": "0.10.2", "ffi_api": (0, 3)}
+    assert _ffi.build_mismatch(info, "0.10.2") is None
+    assert _ffi.build_mismatch(info, "0.11.0") is None
+    why = _ffi.build_mismatch(info, "0.8.3")
+    assert "jaxlib 0.10.2 (XLA FFI API 0.3)" in why and "running jaxlib 0.8.3" in why
+    assert "--no-build-isolation" in why
+
+
+def test_this_build_records_the_jaxlib_it_was_compiled_against():
+    import jaxlib.version
+
+    if _ffi._kvcanary is None:
+        pytest.skip("no native CPU module")
+    info = _ffi._kvcanary.build_info()
+    assert info["jaxlib"] == jaxlib.version.__version__       # built in this environment
+    assert len(info["ffi_api"]) == 2
+
+
+_OLDER_JAXLIB_SCRIPT = textwrap.dedent("""
+    import warnings
+    import jax, jax.numpy as jnp
+    import jaxlib.version
+    jaxlib.version.__version__ = "0.0.1"              # as if an older jaxlib were running
+    import jax_kvcanary as kvc
+    from jax_kvcanary import _ffi, backend
+    print("NATIVE", sorted(_ffi.NATIVE_PLATFORMS))
+    with warnings.catch_warnings(record=True) as auto:
+        warnings.simplefilter("always")
+        vp, wp = kvc.plan(jnp.array([1], jnp.int32), jnp.array([2], jnp.int32), jnp.array([1], jnp.int32),
+                          jnp.arange(16, dtype=jnp.int32).reshape(2, 8), verify_capacity=4, write_req_capacity=1)
+    ours = [w for w in auto if issubclass(w.category, backend.NativeBackendWarning)]
+    print("MESSAGE", ours[0].message if ours else "")
+    print("SUM", int(jnp.arange(4).sum()))            # the rest of JAX is unaffected
+""")
+
+
+def test_an_older_running_jaxlib_gets_the_pure_jax_backend_and_a_warning():
+    if _ffi._kvcanary is None:
+        pytest.skip("no native CPU module")
+    r = subprocess.run([sys.executable, "-c", _OLDER_JAXLIB_SCRIPT], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = dict(line.split(" ", 1) for line in r.stdout.strip().splitlines())
+    assert out["NATIVE"] == "[]"
+    assert "was not registered" in out["MESSAGE"] and "running jaxlib 0.0.1" in out["MESSAGE"]
+    assert out["SUM"] == "6"

@@ -8,8 +8,11 @@ Python ``1``, ``True`` and ``np.int32(1)`` share a compile-cache entry.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
+import jaxlib.version
 import numpy as np
 
 from . import consts
@@ -19,6 +22,8 @@ from .state import ViolationLog
 #: Why a native module is missing, by device platform (``"cpu"``, ``"gpu"``): the ImportError text.
 #: The ops still run there through the pure-JAX backend (see ``backend.py``).
 IMPORT_ERRORS: dict = {}
+#: Why a native module that imported was not registered, by device platform (``build_mismatch``).
+REFUSED: dict = {}
 
 try:
     from . import _kvcanary
@@ -44,10 +49,36 @@ NATIVE_PLATFORMS: frozenset = frozenset()
 VMAP_METHOD = "sequential"
 
 
+def _version(text: str) -> tuple:
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
+
+
+def build_mismatch(build_info: dict, running_jaxlib: str) -> str | None:
+    """Why a native module must not be registered with the running jaxlib, or None.
+
+    A jaxlib older than the one whose FFI headers compiled the handlers may refuse their XLA FFI API
+    version, and it does so when the CPU client starts, which breaks every JAX computation on that
+    platform, not only this package's ops. An isolated ``pip install`` builds against the newest
+    jax in the package registry, so this happens in environments that pin an older jax.
+    """
+    built = build_info["jaxlib"]
+    if _version(built) <= _version(running_jaxlib):
+        return None
+    major, minor = build_info["ffi_api"]
+    return (f"the native module was compiled against jaxlib {built} (XLA FFI API {major}.{minor}), "
+            f"newer than the running jaxlib {running_jaxlib}, which may refuse its handlers; rebuild "
+            "it in this environment: pip install --no-build-isolation --force-reinstall "
+            "<jax_kvcanary source> (with scikit-build-core, nanobind, cmake and ninja installed)")
+
+
 def _register() -> frozenset:
     platforms = set()
     for module, platform, name in ((_kvcanary, "cpu", "cpu"), (_kvcanary_cuda, "CUDA", "gpu")):
         if module is None:
+            continue
+        why = build_mismatch(module.build_info(), jaxlib.version.__version__)
+        if why is not None:
+            REFUSED[name] = why
             continue
         for target, capsule in module.registrations().items():
             jax.ffi.register_ffi_target(target, capsule, platform=platform)

@@ -96,6 +96,8 @@ def fallback_reason(platform: str) -> str | None:
         return None
     if platform not in _MODULE:
         return f"jax_kvcanary has no native handlers for platform {platform!r}"
+    if platform in _ffi.REFUSED:
+        return f"{_MODULE[platform]} was not registered: {_ffi.REFUSED[platform]}"
     error = _ffi.IMPORT_ERRORS.get(platform, "")
     if error.startswith("ModuleNotFoundError") and _MODULE[platform].split()[0] in error:
         if platform == "gpu":
