@@ -257,7 +257,12 @@ class SglangJaxCanary:
     def reset(self) -> None:
         """Fresh canary state (zero records, empty ring) and a fresh monitor; e.g. after
         sglang-jax's warm-up, whose synthetic batches would otherwise leave records behind."""
-        self.state = self._endpoints(1, 1).init_state()
+        # placed as the step's outputs are (replicated over the runner's mesh), so that the first
+        # step of each bucket compiles the same program as every later one
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        self.state = jax.device_put(self._endpoints(1, 1).init_state(),
+                                    NamedSharding(self.runner.mesh, PartitionSpec()))
         self.monitor = Monitor.from_config(self.config, logger=self.logger)
         self.steps = self.sweeps = 0
 

@@ -61,15 +61,21 @@ class Request:
 
 
 def shared_prefix_workload(n: int = 4, *, prefix_len: int = 12, seed: int = 0, max_new: int = 6,
-                           stagger: int = 3, vocab: int = 512) -> List[Request]:
-    """``n`` requests: two shared prefixes, distinct tails, arriving in two waves."""
+                           second_wave_new: int = 10, stagger: int = 3,
+                           vocab: int = 512) -> List[Request]:
+    """``n`` requests over two shared prefixes with distinct tails, in two waves: the first half
+    arrives at once (``max_new`` tokens each), the second ``stagger`` steps later and matches the
+    first wave's prefixes in the prefix cache (``second_wave_new`` tokens each, so that it still
+    runs after the first wave finished and left cached slots no request uses)."""
     rng = np.random.default_rng(seed)
     prefixes = [list(rng.integers(3, vocab, prefix_len)) for _ in range(2)]
     reqs = []
+    first = max(1, n // 2)
     for i in range(n):
         tail = list(rng.integers(3, vocab, 3 + i % 3))
-        reqs.append(Request(f"r{i}", [int(t) for t in prefixes[i % 2] + tail], max_new,
-                            arrival=0 if i < max(1, n // 2) else stagger))
+        reqs.append(Request(f"r{i}", [int(t) for t in prefixes[i % 2] + tail],
+                            max_new if i < first else second_wave_new,
+                            arrival=0 if i < first else stagger))
     return reqs
 
 

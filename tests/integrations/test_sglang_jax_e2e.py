@@ -1,0 +1,226 @@
+"""End to end: the canary installed into a real sglang-jax engine (in process, on the CPU).
+
+One tiny random-weight Qwen2 engine (``sglang_jax_tiny.TinyEngine``) serves a workload with shared
+prefixes (prefill, prefix-cache hits, decode) with the canary off and on, then with one fault at a
+time injected into sglang-jax's own structures (its ``req_to_token`` pool, its allocator's free
+list, its fused KV buffer, the positions of its batch). Each fault must be reported by the
+monitor with the expected tag and reason at most two steps after the step it was injected before.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from jax_kvcanary.integrations import sglang_jax_tiny as tiny
+
+tiny.set_flax_env()                                  # before sgl_jax imports flax
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+try:
+    import sgl_jax  # noqa: F401
+except Exception as exc:  # ImportError, or a broken install
+    pytest.skip(f"sglang-jax (sgl_jax) is not importable: {exc!r}; "
+                "pip install 'jax_kvcanary[sglang-jax]'", allow_module_level=True)
+
+import jax  # noqa: E402
+
+from jax_kvcanary.integrations import sglang_jax as kvc_sgl  # noqa: E402
+from jax_kvcanary.runtime import CanaryConfig, CanaryViolationError, Monitor  # noqa: E402
+from jax_kvcanary.runtime import REPORT_LINE_RE  # noqa: E402
+
+CONFIG = CanaryConfig(mode="log", real_kv_hash_mode="PARTIAL", sweep_interval=2)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = tiny.TinyEngine()
+    eng.reference = eng.run(tiny.shared_prefix_workload())        # canary off
+    eng.canary = kvc_sgl.SglangJaxCanary(eng.runner, CONFIG, tree_cache=eng.tree_cache)
+    yield eng
+    eng.canary.uninstall()
+
+
+def serve(eng, **hooks):
+    """Reset the engine and the canary, serve the workload with the canary on; returns
+    ``(outputs, canary)`` after the monitor's final readback."""
+    eng.reset()
+    c = eng.canary
+    c.reset()
+    c.install()
+    try:
+        out = eng.run(tiny.shared_prefix_workload(), **hooks)
+    finally:
+        c.uninstall()
+    c.flush()
+    return out, c
+
+
+def flip_kv_byte(eng, slot):
+    """XOR byte 0 of ``slot``'s row in layer 0's fused KV buffer (K head 0) with 0xFF."""
+    kv0 = eng.kv_buffer[0]
+    arr = np.array(kv0)
+    arr.reshape(arr.shape[0], -1).view(np.uint8)[slot, 0] ^= 0xFF
+    eng.kv_buffer[0] = jax.device_put(arr, kv0.sharding)
+
+
+def assert_detected(c, injected_step, tag, reason):
+    hits = [v for v in c.monitor.violations if v.tag_name == tag and reason in v.reasons]
+    seen = sorted({(v.tag_name, r) for v in c.monitor.violations for r in v.reasons})
+    assert hits, f"no {tag} {reason} row; the monitor reported {seen}"
+    first = min(v.step for v in hits)
+    assert first - injected_step <= 2, (
+        f"{tag} {reason} reported at step {first}, fault injected before step {injected_step}")
+    assert REPORT_LINE_RE.match(hits[0].report.splitlines()[0]), hits[0].report
+    print(f"\n{tag} {reason}: injected before step {injected_step}, first reported at step "
+          f"{first}; all reported (tag, reason): {seen}\n{hits[0].report}")
+    return hits
+
+
+def test_clean_run_no_violation_same_tokens_no_recompile(engine):
+    out, c = serve(engine)
+    assert out == engine.reference                  # the canary does not change generation
+    assert c.monitor.violations == []
+    counters = c.monitor.counters
+    for tag in CONFIG.expected_tags():                # every endpoint ran and verified something
+        assert counters.kernel_runs[0, tag] > 0
+        assert counters.verified[0, tag] > 0, tag.name
+    assert c.sweeps >= 3 and c.monitor.health.checks >= 1
+    # one compile per engine bucket (EXTEND and DECODE), however many steps
+    assert c._step_fn._cache_size() == 2
+    out2, c = serve(engine)
+    assert out2 == engine.reference and c._step_fn._cache_size() == 2
+
+
+def test_req_to_token_swap_between_live_requests(engine):
+    """(a) Two running requests exchange one req_to_token entry (a prefix position followed by
+    another prefix position, where their tokens differ)."""
+    done = {}
+
+    def before(eng, running, due):
+        if done or due or running is None or len(running.reqs) < 2 or eng.step_no < 3:
+            return None
+        a, b = running.reqs[0], running.reqs[1]
+        n = min(len(a.origin_input_ids), len(b.origin_input_ids))
+        pos = next(i for i in range(n) if a.origin_input_ids[i] != b.origin_input_ids[i])
+        rt = eng.req_to_token_pool.req_to_token
+        assert rt[a.req_pool_idx, pos] != rt[b.req_pool_idx, pos]
+        rt[a.req_pool_idx, pos], rt[b.req_pool_idx, pos] = (rt[b.req_pool_idx, pos],
+                                                            rt[a.req_pool_idx, pos])
+        done["step"] = eng.canary.steps + 1
+        return None
+
+    _, c = serve(engine, before_step=before)
+    assert done, "no step had two running requests"
+    assert_detected(c, done["step"], "HEAD_K_FULL", "verify_chain_hash")
+    assert_detected(c, done["step"], "TAIL_K_FULL", "verify_chain_hash")
+
+
+def test_slot_freed_and_reallocated_while_cached(engine):
+    """(b) A slot of a cached prefix that a running request still uses goes back to the front
+    of the allocator's free list (a double free); the next decode step allocates it again."""
+    done = {}
+
+    def before(eng, running, due):
+        if done or due or running is None or eng.step_no < 3:
+            return None
+        q = running.reqs[-1]
+        slot = int(eng.req_to_token_pool.req_to_token[q.req_pool_idx, 2])
+        assert slot in set(np.concatenate([n.value for n in _nodes(eng.tree_cache)]).tolist())
+        eng.allocator.free_slots = np.concatenate(
+            [np.array([slot], np.int32), eng.allocator.free_slots])
+        done["step"], done["slot"] = eng.canary.steps + 1, slot
+        return None
+
+    _, c = serve(engine, before_step=before)
+    assert done
+    hits = assert_detected(c, done["step"], "TAIL_K_FULL", "verify_position")
+    assert any(v.slot == done["slot"] for v in hits)
+
+
+def test_kv_byte_flip_in_used_slot(engine):
+    """(c) A byte of layer 0's KV flipped in a slot a running request attends to."""
+    done = {}
+
+    def before(eng, running, due):
+        if done or due or running is None or eng.step_no < 3:
+            return None
+        q = running.reqs[0]
+        slot = int(eng.req_to_token_pool.req_to_token[q.req_pool_idx, 5])
+        flip_kv_byte(eng, slot)
+        done["step"], done["slot"] = eng.canary.steps + 1, slot
+        return None
+
+    _, c = serve(engine, before_step=before)
+    assert done
+    hits = assert_detected(c, done["step"], "TAIL_K_FULL", "verify_real_kv_hash")
+    assert any(v.slot == done["slot"] for v in hits)
+    assert not any(v.tag_name.startswith("HEAD") for v in c.monitor.violations)
+
+
+def test_kv_byte_flip_in_cached_unused_slot_caught_by_sweep(engine):
+    """(d) A byte of layer 0's KV flipped in a cached slot no running request references."""
+    done = {}
+
+    def before(eng, running, due):
+        if done or due or running is None:
+            return None
+        used = set()
+        for q in running.reqs:
+            used.update(eng.req_to_token_pool.req_to_token[q.req_pool_idx, :len(q.fill_ids)].tolist())
+        for node in _nodes(eng.tree_cache):
+            if node.lock_ref == 0 and not used.intersection(node.value.tolist()):
+                slot = int(node.value[0])
+                flip_kv_byte(eng, slot)
+                done["step"], done["slot"] = eng.canary.steps + 1, slot
+                return None
+        return None
+
+    _, c = serve(engine, before_step=before)
+    assert done, "no cached slot was left unused while requests still ran"
+    hits = assert_detected(c, done["step"], "SWEEP_K_FULL", "verify_real_kv_hash")
+    assert any(v.slot == done["slot"] for v in hits)
+    assert not any(v.tag_name.startswith(("HEAD", "TAIL")) for v in c.monitor.violations)
+
+
+def test_wrong_position_fed_to_forward_raises(engine):
+    """(e) A decode row's position in the batch handed to the forward is off by one; the monitor
+    is in raise mode here and raises with the upstream report text."""
+    done = {}
+
+    def before(eng, running, due):
+        if done or due or running is None or eng.step_no < 3:
+            return None
+
+        def shift(mwb):
+            mwb.positions[0] += 1
+            done["step"] = eng.canary.steps + 1
+        return shift
+
+    eng = engine
+    eng.reset()
+    c = eng.canary
+    c.reset()
+    c.monitor = Monitor.from_config(CONFIG.replace(mode="raise"))
+    c.install()
+    try:
+        with pytest.raises(CanaryViolationError) as ei:
+            eng.run(tiny.shared_prefix_workload(), before_step=before)
+    finally:
+        c.uninstall()
+    assert done
+    assert c.steps - done["step"] <= 1                 # raised by the monitor call after step T+1
+    first = str(ei.value).splitlines()[0]
+    m = REPORT_LINE_RE.match(first)
+    assert m, first
+    assert "launch_tag=HEAD_K_FULL" in first and "fail_reason=write_position" in first
+
+
+def _nodes(tree_cache):
+    out, stack = [], [tree_cache.root_node]
+    while stack:
+        n = stack.pop()
+        for ch in n.children.values():
+            if ch.value is not None and len(ch.value):
+                out.append(ch)
+            stack.append(ch)
+    return out
