@@ -87,7 +87,8 @@ class TinyEngine:
     """
 
     def __init__(self, *, max_running_requests: int = 4, max_total_tokens: int = 1024,
-                 context_length: int = 256, token_padding: int = 64, seed: int = 0,
+                 context_length: int = 256, token_padding: int = 64,
+                 bs_paddings: Optional[Sequence[int]] = None, seed: int = 0,
                  weight_scale: float = 0.05, model_dir: Optional[str] = None):
         set_flax_env()
         import jax
@@ -108,7 +109,8 @@ class TinyEngine:
             load_format="dummy", mem_fraction_static=0.5, random_seed=seed,
             skip_tokenizer_init=True, context_length=context_length,
             precompile_token_paddings=[token_padding],
-            precompile_bs_paddings=[max_running_requests], disable_overlap_schedule=True,
+            precompile_bs_paddings=list(bs_paddings or [max_running_requests]),
+            disable_overlap_schedule=True,
             disable_radix_cache=False)
         self.mesh = create_device_mesh(ici_parallelism=[-1, 1, 1], dcn_parallelism=[1, 1, 1])
         self.worker = ModelWorker(self.server_args, self.mesh)
