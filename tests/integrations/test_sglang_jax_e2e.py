@@ -91,6 +91,40 @@ def test_clean_run_no_violation_same_tokens_no_recompile(engine):
     assert out2 == engine.reference and c._step_fn._cache_size() == 2
 
 
+def test_kv_pool_and_canary_state_donated_together(engine):
+    """The compiled step aliases every layer's KV buffer and every canary state buffer to its
+    output (no copy of either), as the engine alone donates its KV pool."""
+    import re
+
+    from sgl_jax.srt.layers.logits_processor import LogitsMetadata
+    from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch
+
+    engine.reset()
+    c = engine.canary
+    c.reset()
+    c.install()
+    try:
+        batch = engine.prefill([tiny.Request("d", list(range(3, 30)), 4)])
+        batch.prepare_for_decode()
+        mwb = batch.get_model_worker_batch(*engine.paddings, 1)
+        fb = ForwardBatch.init_new(mwb, engine.runner)
+        lm = LogitsMetadata.from_model_worker_batch(mwb, engine.mesh)
+        rows = kvc_sgl.batch_rows(engine.req_to_token_pool.req_to_token,
+                                  np.asarray(fb.req_pool_indices))
+        md, sd, leaves = c._model
+        hlo = c._step_fn.lower(md, sd, leaves, fb, engine.runner.token_to_kv_pool, lm, c.state,
+                               rows).compile().as_text()
+    finally:
+        c.uninstall()
+    header = hlo.splitlines()[0]
+    aliased = len(re.findall(r"may-alias|must-alias", header))
+    n_kv = len(engine.kv_buffer)
+    n_state = len(jax.tree_util.tree_leaves(c.state))
+    assert aliased == n_kv + n_state, header[:400]
+    kv_shape = "f32[" + ",".join(map(str, engine.kv_buffer[0].shape)) + "]"
+    assert not re.search(re.escape(kv_shape) + r"\S* copy\(", hlo)
+
+
 def test_req_to_token_swap_between_live_requests(engine):
     """(a) Two running requests exchange one req_to_token entry (a prefix position followed by
     another prefix position, where their tokens differ)."""
