@@ -258,3 +258,21 @@ def _nodes(tree_cache):
                 out.append(ch)
             stack.append(ch)
     return out
+
+
+def test_install_is_idempotent_and_follows_a_rejitted_runner(engine):
+    runner, c = engine.runner, engine.canary
+    original = runner.jitted_run_model
+    c.install()
+    c.install()
+    assert c.installed and c._original is original
+    c.uninstall()
+    assert runner.jitted_run_model is original and not c.installed
+    c.install()
+    runner.initialize_jit()                  # the engine rebuilds its jitted call (new weights)
+    assert not c.installed
+    rejitted = runner.jitted_run_model
+    c.install()                              # wraps the new one and takes the current weights
+    assert c.installed and c._original is rejitted
+    c.uninstall()
+    assert runner.jitted_run_model is rejitted

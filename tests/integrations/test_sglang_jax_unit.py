@@ -45,6 +45,10 @@ def test_install_none_installs_nothing_and_bad_runners_are_refused():
         kvc_sgl.install(newer, CanaryConfig(mode="log"))
     with pytest.raises(ValueError, match="^kv-canary: sweep_interval > 0 needs the scheduler's"):
         kvc_sgl.install(object(), CanaryConfig(mode="log", sweep_interval=4))
+    overlap = types.SimpleNamespace(enable_overlap=True)
+    with pytest.raises(ValueError, match="^kv-canary: the sglang-jax integration needs the "
+                                         "non-overlap scheduler"):
+        kvc_sgl.install_into_scheduler(overlap, CanaryConfig(mode="log"))
 
 
 def test_batch_rows_reserve_row_zero_for_padding():

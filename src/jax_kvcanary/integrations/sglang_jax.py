@@ -240,13 +240,13 @@ class SglangJaxCanary:
         self.logger = logger or LOGGER
         self.num_slots = int(runner.token_to_kv_pool.kv_buffer[0].shape[0])
         self._original = runner.jitted_run_model
+        self._model = self._split_model()
         self._step_fn = self._build_step()
         self._sweep_fn = self._build_sweep()
         self.steps = self.sweeps = 0
         self.state = None
         self.monitor = None
         self.reset()
-        self._installed = False
 
     # -- lifecycle ------------------------------------------------------------------------------
     def _endpoints(self, write_req_capacity: int, verify_capacity: int) -> CanaryEndpoints:
@@ -267,16 +267,23 @@ class SglangJaxCanary:
         self.steps = self.sweeps = 0
 
     def install(self) -> "SglangJaxCanary":
-        if not self._installed:
+        """Wrap the runner's ``jitted_run_model`` (again, after the engine re-ran
+        ``initialize_jit``, e.g. for new weights: the model's current weights are taken here)."""
+        if not self.installed:
+            self._original = self.runner.jitted_run_model
+            self._model = self._split_model()
             self.runner.jitted_run_model = self._run_model
-            self._installed = True
         return self
 
     def uninstall(self) -> None:
         """Put the runner's original ``jitted_run_model`` back."""
-        if self._installed:
+        if self.installed:
             self.runner.jitted_run_model = self._original
-            self._installed = False
+
+    @property
+    def installed(self) -> bool:
+        """True while the runner's ``jitted_run_model`` is this canary's wrapper."""
+        return self.runner.jitted_run_model == self._run_model
 
     @contextlib.contextmanager
     def chain_position_assert(self, enabled: bool):
@@ -288,12 +295,16 @@ class SglangJaxCanary:
             self.state = set_chain_position_assert(self.state, True)
 
     # -- the jitted functions -------------------------------------------------------------------
-    def _build_step(self):
+    def _split_model(self):
         from flax import nnx
 
         model_def, model_state = nnx.split(self.runner.model)
         leaves, state_def = jax.tree_util.tree_flatten(model_state)
-        self._model = (model_def, state_def, leaves)
+        return model_def, state_def, leaves
+
+    def _build_step(self):
+        from flax import nnx
+
         mode = self.config.real_kv_hash_mode
 
         def step(model_def, model_state_def, model_state_leaves, forward_batch, token_to_kv_pool,
@@ -376,6 +387,15 @@ def install(model_runner, config: CanaryConfig, *, tree_cache=None,
 
 
 def install_into_scheduler(scheduler, config: CanaryConfig, **kw) -> Optional[SglangJaxCanary]:
-    """``install`` on an sglang-jax ``Scheduler``: its model runner and its ``tree_cache``."""
+    """``install`` on an sglang-jax ``Scheduler``: its model runner and its ``tree_cache``.
+
+    Raises:
+      ValueError: the scheduler runs the overlap schedule (the next batch's ``req_to_token``
+        rows are written while this one is launched; start it with ``--disable-overlap-schedule``).
+    """
+    if getattr(scheduler, "enable_overlap", False):
+        raise ValueError("kv-canary: the sglang-jax integration needs the non-overlap scheduler "
+                         "(--disable-overlap-schedule): with the overlap schedule the next batch's "
+                         "req_to_token rows are written while this batch is launched")
     runner = scheduler.tp_worker.get_model_runner()
     return install(runner, config, tree_cache=getattr(scheduler, "tree_cache", None), **kw)
