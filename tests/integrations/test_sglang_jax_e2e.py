@@ -55,11 +55,12 @@ def serve(eng, **hooks):
     return out, c
 
 
-def flip_kv_byte(eng, slot):
-    """XOR byte 0 of ``slot``'s row in layer 0's fused KV buffer (K head 0) with 0xFF."""
+def flip_kv_byte(eng, slot, offset=0):
+    """XOR byte ``offset`` of ``slot``'s row in layer 0's fused KV buffer with 0xFF (offset 0:
+    the first byte of K head 0)."""
     kv0 = eng.kv_buffer[0]
     arr = np.array(kv0)
-    arr.reshape(arr.shape[0], -1).view(np.uint8)[slot, 0] ^= 0xFF
+    arr.reshape(arr.shape[0], -1).view(np.uint8)[slot, offset] ^= 0xFF
     eng.kv_buffer[0] = jax.device_put(arr, kv0.sharding)
 
 
@@ -247,6 +248,8 @@ def test_wrong_position_fed_to_forward_raises(engine):
     m = REPORT_LINE_RE.match(first)
     assert m, first
     assert "launch_tag=HEAD_K_FULL" in first and "fail_reason=write_position" in first
+    # the engine still holds live KV buffers (the raising step had donated the old ones)
+    assert not any(buf.is_deleted() for buf in eng.kv_buffer)
 
 
 def _nodes(tree_cache):
@@ -258,6 +261,37 @@ def _nodes(tree_cache):
                 out.append(ch)
             stack.append(ch)
     return out
+
+
+def test_real_data_all_sees_a_flip_deep_in_v(engine):
+    """With ``--kv-canary-real-data all`` every byte of the slot's V heads is fingerprinted: a
+    byte in the middle of V head 0 (which PARTIAL does not read) is reported at TAIL_V."""
+    c = kvc_sgl.SglangJaxCanary(engine.runner, CONFIG.replace(real_kv_hash_mode="ALL"),
+                                tree_cache=engine.tree_cache)
+    head_bytes = engine.kv_buffer[0].shape[2] * engine.kv_buffer[0].dtype.itemsize
+    done = {}
+
+    def before(eng, running, due):
+        if done or due or running is None or eng.step_no < 3:
+            return None
+        assert c.monitor.violations == []          # clean until here
+        q = running.reqs[0]
+        slot = int(eng.req_to_token_pool.req_to_token[q.req_pool_idx, 4])
+        flip_kv_byte(eng, slot, head_bytes + 100)   # V head 0, byte 100
+        done["step"], done["slot"] = c.steps + 1, slot
+        return None
+
+    engine.reset()
+    c.install()
+    try:
+        engine.run(tiny.shared_prefix_workload(), before_step=before)
+    finally:
+        c.uninstall()
+    c.flush()
+    assert done
+    hits = assert_detected(c, done["step"], "TAIL_V_FULL", "verify_real_kv_hash")
+    assert any(v.slot == done["slot"] for v in hits)
+    assert not any(v.tag_name == "TAIL_K_FULL" for v in c.monitor.violations)
 
 
 def test_install_is_idempotent_and_follows_a_rejitted_runner(engine):

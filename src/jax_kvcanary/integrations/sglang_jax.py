@@ -27,7 +27,9 @@ does not have them (for example the newer ``memory_pools`` model runner of sglan
   ``ModelRunner._forward``, ``_set_kv_cache_after_forward``, sampling and the scheduler run
   unchanged. ``uninstall()`` puts the original back. After the step the wrapper starts the canary's
   one-step-lag readback (``Monitor``), and every ``sweep_interval`` steps it first runs a SWEEP of
-  the prefix cache.
+  the prefix cache. When the monitor raises (mode ``raise``, or a failed health check) the step has
+  already donated the KV pool, so the wrapper first stores the new buffers with the runner's own
+  ``_set_kv_cache_after_forward`` and then raises: the engine is left with live KV buffers.
 
 Read (never written) on the host: ``model_runner.req_to_token_pool.req_to_token`` (the rows of the
 step's batch, copied each step: JAX may read a numpy argument after the call returns, and the
@@ -69,7 +71,6 @@ precompile (its synthetic batches would leave records and rows), or call ``reset
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 from typing import Optional
 
@@ -80,7 +81,7 @@ import numpy as np
 from ..consts import RealKvHashMode
 from ..inputs import RealKvSource
 from ..runtime.config import CanaryConfig
-from ..runtime.endpoints import CanaryBatch, CanaryEndpoints, set_chain_position_assert
+from ..runtime.endpoints import CanaryBatch, CanaryEndpoints
 from ..runtime.monitor import Monitor
 from ..runtime.sweep import build_group_sweep_plans
 
@@ -123,6 +124,8 @@ def _check_runner(runner) -> None:
                             f"{', '.join(TESTED_VERSIONS)}")
     need(not hasattr(runner, "memory_pools"), "token_to_kv_pool-only layout (it has memory_pools)")
     need(callable(getattr(runner, "jitted_run_model", None)), "jitted_run_model")
+    need(callable(getattr(runner, "_set_kv_cache_after_forward", None)),
+         "_set_kv_cache_after_forward")
     need(getattr(runner, "model", None) is not None, "model")
     pool = getattr(runner, "token_to_kv_pool", None)
     need(isinstance(getattr(pool, "kv_buffer", None), list), "token_to_kv_pool.kv_buffer list")
@@ -285,15 +288,6 @@ class SglangJaxCanary:
         """True while the runner's ``jitted_run_model`` is this canary's wrapper."""
         return self.runner.jitted_run_model == self._run_model
 
-    @contextlib.contextmanager
-    def chain_position_assert(self, enabled: bool):
-        """Switch the write chain-position assert (a buffer: no recompile) inside the block."""
-        self.state = set_chain_position_assert(self.state, enabled)
-        try:
-            yield
-        finally:
-            self.state = set_chain_position_assert(self.state, True)
-
     # -- the jitted functions -------------------------------------------------------------------
     def _split_model(self):
         from flax import nnx
@@ -354,7 +348,13 @@ class SglangJaxCanary:
         output, layers_kv_fused, flags, self.state = self._step_fn(
             model_def, state_def, leaves, forward_batch, self.runner.token_to_kv_pool,
             logits_metadata, self.state, rows)
-        self.monitor.step(self.state)
+        try:
+            self.monitor.step(self.state)
+        except BaseException:
+            # mode 'raise' (or a health failure): the step has donated the KV pool already, so
+            # hand the engine its new buffers before raising, as its own forward would have
+            self.runner._set_kv_cache_after_forward(layers_kv_fused, forward_batch)
+            raise
         return output, layers_kv_fused, flags
 
     def flush(self):
