@@ -42,10 +42,12 @@ scheduler mutates this table in place), and for sweeps the scheduler's ``RadixCa
   fused array per layer, ``[size + page_size, 2 * kv_heads, head_dim]``, heads interleaved
   ``K0, V0, K1, V1, ...``; slot ``s`` (a token index, whatever the page size) is row ``s``, and slot
   0 is the allocator's padding slot (its free list starts at 1). The TAIL sources are layer 0's
-  buffer after the forward: K is the fused array itself (``RealKvSource(kv0, 1, row_bytes,
-  row_bytes)``, no copy; PARTIAL folds the first 16 bytes of the row, i.e. of K head 0) or, for
-  ALL, ``kv0[:, 0::2, :]`` (every K head); V is ``kv0[:, 1, :16 bytes]`` for PARTIAL (V head 0;
-  a 16-byte-per-slot slice) or ``kv0[:, 1::2, :]`` for ALL (every V head).
+  buffer after the forward. PARTIAL: K folds the first 16 bytes of the slot's row (K head 0)
+  straight from the fused array (``RealKvSource(kv0, 1, row_bytes, row_bytes)``, no copy), V the
+  first 16 bytes of V head 0 (``kv0[:, 1, :16 bytes]``, a 16-byte-per-slot slice). ALL: both halves
+  fold the whole fused row, every K and V head of the slot, from the fused array itself (splitting
+  the interleaved heads would copy a layer's worth of KV every step), so a flipped V byte is
+  reported by TAIL_K and TAIL_V alike.
 - ``req_to_token``: numpy ``int32[max_running_requests + 1, context_len + 4]``. Its row 0 is a
   real request's row (the pool's free list starts at 0), and a padded batch row has
   ``req_pool_indices = -1``; the canary's plan reserves row 0 for padding. So the step passes the
@@ -148,15 +150,18 @@ def _check_runner(runner) -> None:
 
 def real_kv_sources(kv0, mode: RealKvHashMode) -> dict:
     """``{'K': RealKvSource, 'V': RealKvSource}`` over layer 0's fused buffer ``kv0``
-    ``[slots, 2 * kv_heads, head_dim]`` (heads interleaved K0, V0, K1, V1, ...)."""
+    ``[slots, 2 * kv_heads, head_dim]`` (heads interleaved K0, V0, K1, V1, ...).
+
+    PARTIAL: K folds the first 16 bytes of the slot's row (K head 0) from the fused array itself;
+    V the first 16 bytes of V head 0 (a 16-byte-per-slot slice). ALL: both halves fold the whole
+    fused row (every K and V head of the slot) from the fused array itself, so that no step copies
+    a layer's worth of KV to split the interleaved heads."""
     isz = np.dtype(kv0.dtype).itemsize
-    if mode == RealKvHashMode.ALL:
-        k, v = kv0[:, 0::2, :], kv0[:, 1::2, :]
-        kb = int(np.prod(k.shape[1:])) * isz
-        return {"K": RealKvSource(k, 1, kb, kb), "V": RealKvSource(v, 1, kb, kb)}
     row = int(np.prod(kv0.shape[1:])) * isz
-    v16 = kv0[:, 1, : 16 // isz]
-    return {"K": RealKvSource(kv0, 1, row, row), "V": RealKvSource(v16, 1, 16, 16)}
+    whole = RealKvSource(kv0, 1, row, row)          # the fused array itself: no copy
+    if mode == RealKvHashMode.ALL:
+        return {"K": whole, "V": whole}
+    return {"K": whole, "V": RealKvSource(kv0[:, 1, : 16 // isz], 1, 16, 16)}
 
 
 def canary_batch(forward_batch, rows) -> CanaryBatch:
