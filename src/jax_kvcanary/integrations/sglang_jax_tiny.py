@@ -88,7 +88,7 @@ class TinyEngine:
 
     def __init__(self, *, max_running_requests: int = 4, max_total_tokens: int = 1024,
                  context_length: int = 256, token_padding: int = 64,
-                 bs_paddings: Optional[Sequence[int]] = None, seed: int = 0,
+                 bs_paddings: Optional[Sequence[int]] = None, page_size: int = 1, seed: int = 0,
                  weight_scale: float = 0.05, model_dir: Optional[str] = None):
         set_flax_env()
         import jax
@@ -103,7 +103,8 @@ class TinyEngine:
         with open(os.path.join(self.model_dir, "config.json"), "w") as f:
             json.dump(QWEN2_CONFIG, f)
         self.server_args = ServerArgs(
-            model_path=self.model_dir, device="cpu", attention_backend="native", page_size=1,
+            model_path=self.model_dir, device="cpu", attention_backend="native",
+            page_size=page_size,
             dtype="float32", max_total_tokens=max_total_tokens,
             max_running_requests=max_running_requests, tp_size=1, skip_server_warmup=True,
             load_format="dummy", mem_fraction_static=0.5, random_seed=seed,
@@ -132,9 +133,10 @@ class TinyEngine:
         cfg = self.runner.model_config
         self.tree_cache = RadixCache(
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
-            page_size=1, kv_head_num=cfg.get_total_num_kv_heads_with_replication(1),
+            page_size=page_size, kv_head_num=cfg.get_total_num_kv_heads_with_replication(1),
             head_dim=cfg.head_dim, layer_num=cfg.num_hidden_layers, dtype=self.runner.kv_cache_dtype)
         self.paddings = self.worker.get_precompile_paddings()
+        self.page_size = page_size
         self.step_no = 0
 
     # -- state ------------------------------------------------------------------------------------
@@ -154,7 +156,7 @@ class TinyEngine:
     def _forward(self, batch, before_forward=None):
         import jax
 
-        mwb = batch.get_model_worker_batch(*self.paddings, 1)
+        mwb = batch.get_model_worker_batch(*self.paddings, self.page_size)
         if before_forward is not None:
             before_forward(mwb)
         logits, _, _ = self.worker.forward_batch_generation(mwb, skip_sample=True)
