@@ -311,3 +311,16 @@ def test_install_is_idempotent_and_follows_a_rejitted_runner(engine):
     assert c.installed and c._original is rejitted
     c.uninstall()
     assert runner.jitted_run_model is rejitted
+
+
+def test_install_into_scheduler_uses_its_runner_and_radix_cache(engine):
+    import types
+
+    sched = types.SimpleNamespace(tp_worker=engine.worker, tree_cache=engine.tree_cache,
+                                  enable_overlap=False)
+    c = kvc_sgl.install_into_scheduler(sched, CONFIG)
+    try:
+        assert c.installed and c.runner is engine.runner and c.tree_cache is engine.tree_cache
+    finally:
+        c.uninstall()
+    assert kvc_sgl.install_into_scheduler(sched, CONFIG.replace(mode="none")) is None

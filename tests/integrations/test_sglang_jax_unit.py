@@ -45,6 +45,10 @@ def test_install_none_installs_nothing_and_bad_runners_are_refused():
         kvc_sgl.install(newer, CanaryConfig(mode="log"))
     with pytest.raises(ValueError, match="^kv-canary: sweep_interval > 0 needs the scheduler's"):
         kvc_sgl.install(object(), CanaryConfig(mode="log", sweep_interval=4))
+    with pytest.raises(ValueError, match="^kv-canary: sweeps walk a RadixCache; this tree_cache "
+                                         "is a ChunkCache"):
+        kvc_sgl.install(object(), CanaryConfig(mode="log", sweep_interval=4),
+                        tree_cache=type("ChunkCache", (), {})())
     overlap = types.SimpleNamespace(enable_overlap=True)
     with pytest.raises(ValueError, match="^kv-canary: the sglang-jax integration needs the "
                                          "non-overlap scheduler"):

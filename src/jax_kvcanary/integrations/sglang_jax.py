@@ -241,6 +241,10 @@ class SglangJaxCanary:
         if config.sweep_interval and tree_cache is None:
             raise ValueError("kv-canary: sweep_interval > 0 needs the scheduler's tree_cache "
                              "(install(..., tree_cache=scheduler.tree_cache))")
+        if config.sweep_interval and not hasattr(tree_cache, "root_node"):
+            raise ValueError("kv-canary: sweeps walk a RadixCache; this tree_cache is a "
+                             f"{type(tree_cache).__name__} (radix cache disabled?): use "
+                             "sweep_interval=0")
         _check_runner(runner)
         self.runner = runner
         self.config = config
