@@ -1,9 +1,9 @@
 """End to end: the canary installed into a real sglang-jax engine (in process, on the CPU).
 
 One tiny random-weight Qwen2 engine (``sglang_jax_tiny.TinyEngine``) serves a workload with shared
-prefixes (prefill, prefix-cache hits, decode) with the canary off and on, then with one fault at a
-time injected into sglang-jax's own structures (its ``req_to_token`` pool, its allocator's free
-list, its fused KV buffer, the positions of its batch). Each fault must be reported by the
+prefixes (prefill, prefix-cache hits, decode) and one with a chunked prefill, with the canary off
+and on, then with one fault at a time injected into sglang-jax's own structures (its
+``req_to_token`` pool, its allocator's free list, its fused KV buffer, the positions of its batch). Each fault must be reported by the
 monitor with the expected tag and reason at most two steps after the step it was injected before.
 """
 
@@ -24,6 +24,7 @@ except Exception as exc:  # ImportError, or a broken install
 
 import jax  # noqa: E402
 
+from jax_kvcanary import LaunchTag  # noqa: E402
 from jax_kvcanary.integrations import sglang_jax as kvc_sgl  # noqa: E402
 from jax_kvcanary.runtime import CanaryConfig, CanaryViolationError, Monitor  # noqa: E402
 from jax_kvcanary.runtime import REPORT_LINE_RE  # noqa: E402
@@ -40,15 +41,15 @@ def engine():
     eng.canary.uninstall()
 
 
-def serve(eng, **hooks):
-    """Reset the engine and the canary, serve the workload with the canary on; returns
-    ``(outputs, canary)`` after the monitor's final readback."""
+def serve(eng, workload=None, **hooks):
+    """Reset the engine and the canary, serve the workload (default: the shared-prefix one) with
+    the canary on; returns ``(outputs, canary)`` after the monitor's final readback."""
     eng.reset()
     c = eng.canary
     c.reset()
     c.install()
     try:
-        out = eng.run(tiny.shared_prefix_workload(), **hooks)
+        out = eng.run(workload or tiny.shared_prefix_workload(), **hooks)
     finally:
         c.uninstall()
     c.flush()
@@ -124,6 +125,50 @@ def test_kv_pool_and_canary_state_donated_together(engine):
     assert aliased == n_kv + n_state, header[:400]
     kv_shape = "f32[" + ",".join(map(str, engine.kv_buffer[0].shape)) + "]"
     assert not re.search(re.escape(kv_shape) + r"\S* copy\(", hlo)
+
+
+def extend_prefixes(log):
+    """A ``before_step`` hook that appends each EXTEND step's prefix lengths to ``log``."""
+    def before(eng, running, due):
+        def record(mwb):
+            if mwb.forward_mode.is_extend():
+                log.append([int(x) for x in mwb.extend_prefix_lens[: mwb.real_bs]])
+        return record
+    return before
+
+
+def test_chunked_prefill_clean_same_tokens(engine):
+    """A 40-token prompt prefilled in chunks of 16 (each chunk verifies the chunks before it),
+    then a request sharing its first 20 tokens hits the chunks the radix tree cached."""
+    engine.reset()
+    reference = engine.run(tiny.chunked_prefill_workload())          # canary off
+    prefixes = []
+    out, c = serve(engine, tiny.chunked_prefill_workload(), before_step=extend_prefixes(prefixes))
+    assert prefixes == [[0], [16], [32], [20]]
+    assert out == reference
+    assert c.monitor.violations == []
+    assert c.monitor.counters.verified[0, LaunchTag.HEAD_K_FULL] >= 16 + 32 + 20
+
+
+def test_req_to_token_corrupted_between_chunks(engine):
+    """A chunked prompt's req_to_token row is corrupted between two of its chunks (two of its
+    first chunk's slots exchanged): the scheduler caches the wrong slots in the radix tree and the
+    next chunk's attention reads them; the next chunk's HEAD verify of the prefix reports them."""
+    done = {}
+
+    def before(eng, running, due):
+        q = eng.chunked_req
+        if done or q is None:
+            return None
+        row = eng.req_to_token_pool.req_to_token[q.req_pool_idx]
+        row[3], row[9] = row[9], row[3]
+        done["step"] = eng.canary.steps + 1
+        return None
+
+    _, c = serve(engine, tiny.chunked_prefill_workload(), before_step=before)
+    assert done
+    hits = assert_detected(c, done["step"], "HEAD_K_FULL", "verify_position")
+    assert {v.position for v in hits} >= {3, 9}
 
 
 def test_req_to_token_swap_between_live_requests(engine):

@@ -5,10 +5,14 @@ float32) from a hand-written ``config.json`` (``load_format='dummy'``, then ever
 replaced by small normal values; nothing is downloaded, no tokenizer: requests are token ids),
 and drives sglang-jax's own ``ModelWorker`` / ``ModelRunner``, ``ScheduleBatch``, ``RadixCache``,
 allocator and ``req_to_token`` pool the way its scheduler does in non-overlap mode: a prefill
-batch for the arrivals of a step (prefix-cache match, ``prepare_for_extend``), else one decode step
-of the running batch (``prepare_for_decode``), then the scheduler's result processing (append
-the sampled token, ``check_finished``, ``cache_unfinished_req`` / ``cache_finished_req``,
-``filter_batch``). Sampling is greedy, on the host, from the engine's logits (sglang-jax 0.0.2's own
+batch for the arrivals of a step (prefix-cache match, ``prepare_for_extend``), else the next
+chunk of a request in chunked prefill, else one decode step of the running batch
+(``prepare_for_decode``), then the scheduler's result processing (append the sampled token,
+``check_finished``, ``cache_unfinished_req`` / ``cache_finished_req``, ``filter_batch``).
+Chunked prefill follows the scheduler too: the prompt is cut to ``Request.chunk`` tokens
+(``PrefillAdder``), the chunk samples nothing (``is_chunked``), and the next step caches the chunk
+in the radix tree, frees the request's ``req_to_token`` row and extends the rest with the cached
+chunk as its prefix in a new row. Sampling is greedy, on the host, from the engine's logits (sglang-jax 0.0.2's own
 sampler does not trace on the CPU).
 
 Runs on the CPU (``device='cpu'``, ``attention_backend='native'``). Needs sglang-jax 0.0.2.
@@ -53,6 +57,7 @@ class Request:
     prompt: List[int]
     max_new: int
     arrival: int = 0
+    chunk: int = 0              # chunked prefill: at most this many prompt tokens per step (0: all)
     req: object = None          # the sglang-jax Req once admitted
 
     @property
@@ -77,6 +82,18 @@ def shared_prefix_workload(n: int = 4, *, prefix_len: int = 12, seed: int = 0, m
                             max_new if i < first else second_wave_new,
                             arrival=0 if i < first else stagger))
     return reqs
+
+
+def chunked_prefill_workload(*, prompt_len: int = 40, chunk: int = 16, seed: int = 1,
+                             max_new: int = 5, vocab: int = 512) -> List[Request]:
+    """A long request prefilled in chunks of ``chunk`` tokens (steps 1-3 for the defaults), and a
+    second request sharing its first half that arrives while it is chunked: it waits for the last
+    chunk, then hits the chunks the radix tree cached."""
+    rng = np.random.default_rng(seed)
+    prompt = [int(t) for t in rng.integers(3, vocab, prompt_len)]
+    tail = [int(t) for t in rng.integers(3, vocab, 4)]
+    return [Request("long", prompt, max_new, arrival=0, chunk=chunk),
+            Request("shares", prompt[: prompt_len // 2] + tail, max_new, arrival=1)]
 
 
 class TinyEngine:
@@ -138,6 +155,7 @@ class TinyEngine:
         self.paddings = self.worker.get_precompile_paddings()
         self.page_size = page_size
         self.step_no = 0
+        self._chunked = None
 
     # -- state ------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -147,6 +165,7 @@ class TinyEngine:
         self.allocator.clear()
         self.tree_cache.reset()
         self.step_no = 0
+        self._chunked = None
 
     @property
     def kv_buffer(self):
@@ -179,26 +198,65 @@ class TinyEngine:
         r.req = req
         return req
 
-    def prefill(self, reqs: Sequence[Request], before_forward=None):
-        """One EXTEND step for ``reqs``; returns the new ``ScheduleBatch`` (finished ones filtered)."""
-        from sgl_jax.srt.managers.schedule_batch import ScheduleBatch
+    @staticmethod
+    def _cut(q, chunk: int) -> None:
+        """Cut ``q``'s extend to ``chunk`` tokens when the rest is longer (``PrefillAdder``)."""
+        if chunk > 0 and q.extend_input_len > chunk:
+            q.extend_input_len = chunk
+            q.fill_ids = q.fill_ids[: len(q.prefix_indices) + chunk]
+            q.is_chunked += 1
 
+    def prefill(self, reqs: Sequence[Request], before_forward=None):
+        """One EXTEND step for ``reqs``; returns the new ``ScheduleBatch`` (finished ones and the
+        one in chunked prefill filtered)."""
         sreqs = [self._new_req(r) for r in reqs]
         for q in sreqs:
             self.tree_cache.inc_lock_ref(q.last_node)
+        chunks = {id(q): r.chunk for r, q in zip(reqs, sreqs)}
+        for q in sreqs:
+            self._cut(q, chunks[id(q)])
+        if sum(q.is_chunked > 0 for q in sreqs) > 1:
+            raise ValueError("kv-canary: the tiny engine prefills at most one request in chunks at "
+                             "a time (as sglang-jax's scheduler)")
+        return self._extend(sreqs, before_forward, chunks)
+
+    def prefill_next_chunk(self, before_forward=None):
+        """The next EXTEND step of the request in chunked prefill: its last chunk goes into the
+        radix tree, its ``req_to_token`` row is freed, and the rest (up to its ``chunk`` tokens)
+        extends the cached chunks in a new row (the scheduler's ``get_new_batch_prefill``)."""
+        q, chunk = self._chunked
+        self.tree_cache.cache_unfinished_req(q)
+        self.req_to_token_pool.free(q.req_pool_idx)
+        q.init_next_round_input()
+        self._cut(q, chunk)
+        return self._extend([q], before_forward, {id(q): chunk}, chunked_req=q)
+
+    @property
+    def chunked_req(self):
+        """The sglang-jax ``Req`` in chunked prefill (the next step extends it), or None."""
+        return None if self._chunked is None else self._chunked[0]
+
+    def _extend(self, sreqs, before_forward, chunks, chunked_req=None):
+        from sgl_jax.srt.managers.schedule_batch import ScheduleBatch
+
         batch = ScheduleBatch.init_new(sreqs, self.req_to_token_pool, self.allocator,
                                        self.tree_cache, self.runner.model_config, False,
-                                       mesh=self.mesh)
+                                       chunked_req=chunked_req, mesh=self.mesh)
         batch.prepare_for_extend()
         ids = self._forward(batch, before_forward)
+        self._chunked = None
         for q, t in zip(sreqs, ids):
+            if q.is_chunked > 0:          # a chunk short of the prompt's end samples nothing
+                q.is_chunked -= 1
+                self._chunked = (q, chunks[id(q)])
+                continue
             q.output_ids.append(int(t))
             q.check_finished()
             if q.finished():
                 self.tree_cache.cache_finished_req(q)
             else:
                 self.tree_cache.cache_unfinished_req(q)
-        batch.filter_batch()
+        batch.filter_batch(chunked_req_to_exclude=self._chunked[0] if self._chunked else None)
         return batch
 
     def decode(self, batch, before_forward=None):
@@ -216,27 +274,36 @@ class TinyEngine:
     # -- serving ----------------------------------------------------------------------------------
     def run(self, workload: Sequence[Request], *, before_step: Optional[Callable] = None,
             after_step: Optional[Callable] = None, max_steps: int = 200) -> List[List[int]]:
-        """Serve ``workload``: each step is a prefill of the arrivals due (if any), else a decode
-        of the running batch. ``before_step(engine, running, due)`` may return a callable run on the
+        """Serve ``workload``: each step is the next chunk of a request in chunked prefill (if any),
+        else a prefill of the arrivals due (if any), else a decode of the running batch.
+        ``before_step(engine, running, due)`` may return a callable run on the
         ``ModelWorkerBatch`` just before the forward; ``after_step(engine)`` runs after it.
         Returns the generated tokens per request."""
         waiting = sorted(workload, key=lambda r: r.arrival)
         running = None
-        while waiting or (running is not None and not running.is_empty()):
+
+        def busy():
+            return running is not None and not running.is_empty()
+
+        while waiting or self.chunked_req is not None or busy():
             if self.step_no >= max_steps:
                 raise RuntimeError("kv-canary: the tiny engine did not finish its workload")
             self.step_no += 1
-            due = [r for r in waiting if r.arrival < self.step_no]
+            in_chunks = self.chunked_req is not None
+            due = [] if in_chunks else [r for r in waiting if r.arrival < self.step_no]
             hook = before_step(self, running, due) if before_step is not None else None
-            if due:
-                waiting = [r for r in waiting if r not in due]
-                new = self.prefill(due, hook)
+            if in_chunks or due:
+                if in_chunks:
+                    new = self.prefill_next_chunk(hook)
+                else:
+                    waiting = [r for r in waiting if r not in due]
+                    new = self.prefill(due, hook)
                 if not new.is_empty():
                     if running is None or running.is_empty():
                         running = new
                     else:
                         running.merge_batch(new)
-            elif running is not None and not running.is_empty():
+            elif busy():
                 running = self.decode(running, hook)
             if after_step is not None:
                 after_step(self)
