@@ -166,3 +166,24 @@ def test_bad_mode_and_input():
     with pytest.raises(TypeError, match="CanaryState or a ViolationLog"):
         Monitor("log").step(object())
     assert Monitor("none").step(object()) == []
+
+
+def test_snapshot_made_inside_the_step_reads_the_same():
+    """counter_snapshot(state) returned by a jitted step gives the monitor the same counters and
+    rows as the snapshot it dispatches itself."""
+    import jax
+
+    from jax_kvcanary.runtime import counter_snapshot
+
+    step = jax.jit(lambda log: (log, counter_snapshot(log)))
+    f, own, given = FakeLog(), Monitor("log"), Monitor("log")
+    for rows in ([], [ROW_A], [], [ROW_B, ROW_A], []):
+        for r in rows:
+            f.add(r)
+        f.tick([T.HEAD_K_FULL, T.TAIL_V_FULL])
+        log, snap = step(f.log())
+        a, b = own.step(f.log()), given.step(log, snapshot=snap)
+        assert [list(v.row) for v in a] == [list(v.row) for v in b]
+    assert [list(v.row) for v in own.flush()] == [list(v.row) for v in given.flush()]
+    assert np.array_equal(own.counters.kernel_runs, given.counters.kernel_runs)
+    assert own.total == given.total == 3

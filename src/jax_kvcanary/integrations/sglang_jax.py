@@ -84,7 +84,7 @@ from ..consts import RealKvHashMode
 from ..inputs import RealKvSource
 from ..runtime.config import CanaryConfig
 from ..runtime.endpoints import CanaryBatch, CanaryEndpoints
-from ..runtime.monitor import Monitor
+from ..runtime.monitor import Monitor, counter_snapshot
 from ..runtime.sweep import build_group_sweep_plans
 
 LOGGER = logging.getLogger("jax_kvcanary")
@@ -320,7 +320,7 @@ class SglangJaxCanary:
             output, layers_kv_fused, flags = model(forward_batch, token_to_kv_pool, logits_metadata)
             sources = real_kv_sources(layers_kv_fused[0], mode) if mode else {}
             cstate = ep.tail(cstate, ctx, {"FULL": sources})
-            return output, layers_kv_fused, flags, cstate
+            return output, layers_kv_fused, flags, cstate, counter_snapshot(cstate)
 
         return jax.jit(step, donate_argnames=("token_to_kv_pool", "cstate"),
                        static_argnames=("model_state_def",))
@@ -354,11 +354,11 @@ class SglangJaxCanary:
         rows = batch_rows(self.runner.req_to_token_pool.req_to_token,
                           np.asarray(forward_batch.req_pool_indices))
         model_def, state_def, leaves = self._model
-        output, layers_kv_fused, flags, self.state = self._step_fn(
+        output, layers_kv_fused, flags, self.state, snapshot = self._step_fn(
             model_def, state_def, leaves, forward_batch, self.runner.token_to_kv_pool,
             logits_metadata, self.state, rows)
         try:
-            self.monitor.step(self.state)
+            self.monitor.step(self.state, snapshot=snapshot)
         except BaseException:
             # mode 'raise' (or a health failure): the step has donated the KV pool already, so
             # hand the engine its new buffers before raising, as its own forward would have

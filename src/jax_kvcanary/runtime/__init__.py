@@ -8,7 +8,7 @@ from .endpoints import (CanaryBatch, CanaryEndpoints, CanaryState, GroupPlan,
 from .errors import CanaryHealthError, CanaryViolationError
 from .health import HealthCheck
 from .hostcheck import HostCheckResult, aligned_host_array, check_host_copy, check_records, host_tag
-from .monitor import Monitor, Violation
+from .monitor import Monitor, Violation, counter_snapshot
 from .offload import export_records, export_state_records, import_records, import_state_records
 from .report import (REPORT_LINE_RE, ReportHeader, format_first_line, format_report,
                      parse_first_line)
@@ -20,8 +20,8 @@ from . import perturb, multidevice
 __all__ = [
     "CanaryConfig", "launch_tag", "CanaryBatch", "CanaryEndpoints", "CanaryState", "GroupPlan",
     "set_chain_position_assert", "translate_slots", "CanaryHealthError", "CanaryViolationError",
-    "HealthCheck", "Monitor", "Violation", "REPORT_LINE_RE", "ReportHeader", "format_first_line",
-    "format_report", "parse_first_line", "CounterSnapshot", "format_stats_line", "bucket_capacity",
+    "HealthCheck", "Monitor", "Violation", "counter_snapshot", "REPORT_LINE_RE", "ReportHeader",
+    "format_first_line", "format_report", "parse_first_line", "CounterSnapshot", "format_stats_line", "bucket_capacity",
     "build_group_sweep_plans", "build_sweep_plan", "translate_chains", "perturb", "multidevice",
     "export_records", "import_records", "export_state_records", "import_state_records",
     "HostCheckResult", "aligned_host_array", "check_host_copy", "check_records", "host_tag",

@@ -89,6 +89,15 @@ def _snapshot(write_index, kernel_runs, slot_runs, written):
     return jnp.concatenate([p.reshape(lead + (-1,)) for p in parts], axis=-1)
 
 
+def counter_snapshot(state) -> jax.Array:
+    """The counters ``Monitor.step`` reads back, as one ``uint8[(D,) 4 + 24 T]`` array, of a
+    ``CanaryState`` or a ``ViolationLog``. Jit-compatible: a serving step that returns it along
+    with the state spares the monitor a dispatch of its own per step
+    (``monitor.step(state, snapshot=...)``)."""
+    log, written = Monitor._split(state)
+    return _snapshot(*_parts(log, written))
+
+
 class Monitor:
     """Host-side readback of a ``CanaryState`` (or a bare ``ViolationLog``), one step behind.
 
@@ -138,8 +147,12 @@ class Monitor:
                    expected_tags=config.expected_tags(), stats_interval=config.stats_interval, **kw)
 
     # -- per step -----------------------------------------------------------------------------------
-    def step(self, state) -> List[Violation]:
+    def step(self, state, snapshot: Optional[jax.Array] = None) -> List[Violation]:
         """Start the readback of ``state`` and report what the previous call's readback found.
+
+        Args:
+          state: the ``CanaryState`` (or ``ViolationLog``) the serving step returned.
+          snapshot: ``counter_snapshot(state)`` if the step computed it (default: dispatched here).
 
         Returns:
           The new violations (``list[Violation]``), already logged in mode ``'log'``.
@@ -153,7 +166,7 @@ class Monitor:
             return []
         self.steps += 1
         log, written = self._split(state)
-        snap = _snapshot(*_parts(log, written))
+        snap = counter_snapshot(state) if snapshot is None else snapshot
         snap.copy_to_host_async()
         prev, self._pending = self._pending, (snap, self.steps)
         self._state = log
