@@ -67,8 +67,9 @@ def build_mismatch(build_info: dict, running_jaxlib: str) -> str | None:
     major, minor = build_info["ffi_api"]
     return (f"the native module was compiled against jaxlib {built} (XLA FFI API {major}.{minor}), "
             f"newer than the running jaxlib {running_jaxlib}, which may refuse its handlers; rebuild "
-            "it in this environment: pip install --no-build-isolation --force-reinstall "
-            "<jax_kvcanary source> (with scikit-build-core, nanobind, cmake and ninja installed)")
+            "it in this environment: pip install scikit-build-core nanobind cmake ninja, then pip "
+            "install --no-build-isolation --force-reinstall --no-deps <jax_kvcanary source> "
+            "(BUILD.md, Troubleshooting)")
 
 
 def _register() -> frozenset:

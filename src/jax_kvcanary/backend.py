@@ -130,9 +130,10 @@ def warn_fallback(platform: str) -> None:
     if _warned or reason is None or platform not in _FIX or not _has_devices(platform):
         return
     _warned = True
+    fix = "" if platform in _ffi.REFUSED else f" To fix: {_FIX[platform]}."  # a refusal names its fix
     warnings.warn(
         f"kv-canary: the native {platform.upper()} handlers are not available, so the ops run on the "
-        f"pure-JAX backend there (correct, but much slower): {reason}. To fix: {_FIX[platform]}. "
+        f"pure-JAX backend there (correct, but much slower): {reason}.{fix} "
         "Pass impl='xla' to choose the pure-JAX backend explicitly.", NativeBackendWarning, stacklevel=4)
 
 
