@@ -6,6 +6,7 @@ import pytest
 
 from jax_kvcanary.consts import LaunchTag as T, RealKvHashMode
 from jax_kvcanary.runtime import CanaryConfig, launch_tag
+from jax_kvcanary.runtime.config import endpoint_of
 
 
 def test_defaults_and_frozen():
@@ -32,6 +33,11 @@ def test_tags():
     assert set(CanaryConfig(halves="K").expected_tags()) == {T.HEAD_K_FULL, T.TAIL_K_FULL}
     assert CanaryConfig(mode="none").expected_tags() == ()
     assert launch_tag("SWEEP", "V", "SWA") is T.SWEEP_V_SWA
+    for t in T:                                          # endpoint_of inverts launch_tag
+        assert launch_tag(*endpoint_of(t.name)) is t
+    for bad in ("TAIL_K", "TAIL_K_FULL_X", "HOST_K_FULL", "TAIL_Q_FULL", "TAIL_K_SLIDING"):
+        with pytest.raises(ValueError, match=f"kv-canary: '{bad}' is not a canary name"):
+            endpoint_of(bad)
 
 
 @pytest.mark.parametrize("kw, exc, text", [

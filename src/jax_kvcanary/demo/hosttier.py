@@ -23,6 +23,7 @@ import numpy as np
 
 from ..consts import RealKvHashMode
 from ..inputs import RealKvSource
+from ..runtime.config import endpoint_of
 from ..runtime.hostcheck import aligned_host_array, check_records
 from ..runtime.sweep import bucket_capacity
 from ..runtime.transfer import pack_transfer, unpack_transfer
@@ -95,13 +96,13 @@ class HostTier:
                 sel = slice(None) if kind == "full" else has
                 self._flat(h, li)[host[sel]] = np.asarray(rows[h][li])[:n][sel]
         for name, r in recs.items():
-            sel = self._sel(name.rsplit("_", 1)[1], has)
+            sel = self._sel(endpoint_of(name)[2], has)
             self.records[name][host[sel]] = np.asarray(r)[:n][sel]
         self.has_swa[host] = has
         e._inject_offload(self, host, full, nodes)
         found = []
         if self.mode != RealKvHashMode.NONE:
-            res = check_records(self.sources(), {k: v[host[self._sel(k.rsplit('_', 1)[1], has)]]
+            res = check_records(self.sources(), {k: v[host[self._sel(endpoint_of(k)[2], has)]]
                                                  for k, v in self.records.items()},
                                 {"FULL": host, "SWA": host[has]}, stage="BACKUP", real_kv_hash_mode=self.mode,
                                 report_slots={"FULL": full, "SWA": swa[has]})
@@ -122,9 +123,9 @@ class HostTier:
             for li, kind in enumerate(e.mcfg.layers):
                 g = "FULL" if kind == "full" else "SWA"
                 kv[f"{g}/{h}/{li}"] = self._flat(h, li)[host[self._sel(g, has)]]
-        records = {k: v[host[self._sel(k.rsplit("_", 1)[1], has)]] for k, v in self.records.items()}
-        fingerprints = {name: [(f"{g}/{name.split('_')[1].lower()}/{self._layer_of(g)}", tb)]
-                        for name in self.sources() for g in [name.rsplit("_", 1)[1]]}
+        records = {k: v[host[self._sel(endpoint_of(k)[2], has)]] for k, v in self.records.items()}
+        fingerprints = {name: [(f"{g}/{h.lower()}/{self._layer_of(g)}", tb)]
+                        for name in self.sources() for _, h, g in [endpoint_of(name)]}
         slots = {"FULL": host, "SWA": host[has]} if e.cfg.swa else {"FULL": host}
         return pack_transfer(slots, kv, records, fingerprints=fingerprints, real_kv_hash_mode=self.mode)
 
@@ -155,7 +156,7 @@ class HostTier:
         recs = {}
         for name, r in pack.records.items():
             full_r = np.zeros((nb, 32), np.uint8)
-            full_r[:n][self._sel(name.rsplit("_", 1)[1], has)] = r
+            full_r[:n][self._sel(endpoint_of(name)[2], has)] = r
             recs[name] = jnp.asarray(full_r)
         e.kv, e.cstate, oob = self.scatter(e.kv, e.cstate, self._pad(dst, nb), self._pad(new_swa, nb), rows, recs)
         if int(oob[0]):

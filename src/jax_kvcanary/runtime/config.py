@@ -20,6 +20,16 @@ def launch_tag(stage: str, half: str, group: str) -> LaunchTag:
     return LaunchTag[f"{stage}_{half}_{group}"]
 
 
+def endpoint_of(name: str) -> Tuple[str, str, str]:
+    """``(stage, half, group)`` of a canary name, the inverse of ``launch_tag(...).name``: e.g.
+    ``endpoint_of("TAIL_K_SWA") == ("TAIL", "K", "SWA")``. Raises ``ValueError`` for another name."""
+    parts = tuple(name.split("_"))
+    if len(parts) != 3 or parts[0] not in STAGES or parts[1] not in HALVES or parts[2] not in GROUPS:
+        raise ValueError(f"kv-canary: {name!r} is not a canary name (STAGE_HALF_GROUP, e.g. "
+                         "'TAIL_K_FULL')")
+    return parts
+
+
 def _int(name, value, lo):
     try:
         v = operator.index(value)

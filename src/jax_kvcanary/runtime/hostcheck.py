@@ -29,6 +29,7 @@ from .. import checks, consts, hashing, ops
 from ..consts import FailReason, HostCheckTag, IndexKind, RealKvHashMode
 from ..inputs import RealKvSource, VerifyPlan
 from ..state import ViolationLog, decode_row
+from .config import endpoint_of
 from .report import format_report
 from .sweep import bucket_capacity
 
@@ -256,7 +257,7 @@ def check_records(sources_by_name: dict, records: dict, slots, *, stage: str, re
     for name in sorted(records):
         if not name.startswith("TAIL_") or name not in sources_by_name:
             continue
-        _, half, group = name.split("_")
+        _, half, group = endpoint_of(name)
         res = check_host_copy(sources_by_name[name], records[name], slots[group],
                               real_kv_hash_mode=real_kv_hash_mode, tag=host_tag(stage, half, group),
                               report_slots=None if report_slots is None else report_slots[group],

@@ -166,7 +166,7 @@ class Monitor:
             return []
         self.steps += 1
         log, written = self._split(state)
-        snap = counter_snapshot(state) if snapshot is None else snapshot
+        snap = _snapshot(*_parts(log, written)) if snapshot is None else snapshot
         snap.copy_to_host_async()
         prev, self._pending = self._pending, (snap, self.steps)
         self._state = log

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import checks, consts
+from .config import endpoint_of
 from .endpoints import CanaryState
 
 RECORD_BYTES = consts.CANARY_SLOT_BYTES
@@ -103,10 +104,6 @@ def import_records(canary, slots, records) -> Tuple[jax.Array, jax.Array]:
     return _import(canary, slots, records)
 
 
-def _group_of(name: str) -> str:
-    return name.rsplit("_", 1)[1]
-
-
 def export_state_records(state: CanaryState, slots: Mapping[str, jax.Array]
                          ) -> Tuple[dict, jax.Array]:
     """Export the records of every HEAD and TAIL canary of ``state`` for the slots leaving the device.
@@ -126,8 +123,8 @@ def export_state_records(state: CanaryState, slots: Mapping[str, jax.Array]
     """
     out, oob = {}, jnp.zeros((1,), jnp.int32)
     for name in sorted(state.canaries):
-        if _group_of(name) in slots:
-            out[name], bad = export_records(state.canaries[name], slots[_group_of(name)])
+        if endpoint_of(name)[2] in slots:
+            out[name], bad = export_records(state.canaries[name], slots[endpoint_of(name)[2]])
             oob = oob + bad
     return out, oob
 
@@ -145,11 +142,11 @@ def import_state_records(state: CanaryState, slots: Mapping[str, jax.Array], rec
     """
     canaries, oob = dict(state.canaries), jnp.zeros((1,), jnp.int32)
     for name in sorted(canaries):
-        if _group_of(name) not in slots:
+        if endpoint_of(name)[2] not in slots:
             continue
         if name not in records:
             raise ValueError(f"kv-canary: records has no entry for canary {name!r} (got "
                              f"{sorted(records)})")
-        canaries[name], bad = import_records(canaries[name], slots[_group_of(name)], records[name])
+        canaries[name], bad = import_records(canaries[name], slots[endpoint_of(name)[2]], records[name])
         oob = oob + bad
     return state.replace(canaries=canaries), oob
