@@ -65,6 +65,22 @@ def flip_kv_byte(eng, slot, offset=0):
     eng.kv_buffer[0] = jax.device_put(arr, kv0.sharding)
 
 
+def decode_fault(inject, *, min_running=1, canary=None):
+    """``(before_step hook, done)``: the hook runs ``inject(engine, running_batch)`` once, before
+    the first decode step from engine step 3 on with at least ``min_running`` running requests;
+    ``done`` then holds ``step`` (the canary step the fault precedes) and ``slot`` (what
+    ``inject`` returned: the slot it damaged, or None)."""
+    done = {}
+
+    def before(eng, running, due):
+        if done or due or running is None or len(running.reqs) < min_running or eng.step_no < 3:
+            return None
+        done["slot"] = inject(eng, running)
+        done["step"] = (canary or eng.canary).steps + 1
+        return None
+    return before, done
+
+
 def assert_detected(c, injected_step, tag, reason):
     hits = [v for v in c.monitor.violations if v.tag_name == tag and reason in v.reasons]
     seen = sorted({(v.tag_name, r) for v in c.monitor.violations for r in v.reasons})
@@ -174,11 +190,7 @@ def test_req_to_token_corrupted_between_chunks(engine):
 def test_req_to_token_swap_between_live_requests(engine):
     """(a) Two running requests exchange one req_to_token entry (a prefix position followed by
     another prefix position, where their tokens differ)."""
-    done = {}
-
-    def before(eng, running, due):
-        if done or due or running is None or len(running.reqs) < 2 or eng.step_no < 3:
-            return None
+    def swap(eng, running):
         a, b = running.reqs[0], running.reqs[1]
         n = min(len(a.origin_input_ids), len(b.origin_input_ids))
         pos = next(i for i in range(n) if a.origin_input_ids[i] != b.origin_input_ids[i])
@@ -186,9 +198,8 @@ def test_req_to_token_swap_between_live_requests(engine):
         assert rt[a.req_pool_idx, pos] != rt[b.req_pool_idx, pos]
         rt[a.req_pool_idx, pos], rt[b.req_pool_idx, pos] = (rt[b.req_pool_idx, pos],
                                                             rt[a.req_pool_idx, pos])
-        done["step"] = eng.canary.steps + 1
-        return None
 
+    before, done = decode_fault(swap, min_running=2)
     _, c = serve(engine, before_step=before)
     assert done, "no step had two running requests"
     assert_detected(c, done["step"], "HEAD_K_FULL", "verify_chain_hash")
@@ -198,19 +209,15 @@ def test_req_to_token_swap_between_live_requests(engine):
 def test_slot_freed_and_reallocated_while_cached(engine):
     """(b) A slot of a cached prefix that a running request still uses goes back to the front
     of the allocator's free list (a double free); the next decode step allocates it again."""
-    done = {}
-
-    def before(eng, running, due):
-        if done or due or running is None or eng.step_no < 3:
-            return None
+    def double_free(eng, running):
         q = running.reqs[-1]
         slot = int(eng.req_to_token_pool.req_to_token[q.req_pool_idx, 2])
         assert slot in set(np.concatenate([n.value for n in _nodes(eng.tree_cache)]).tolist())
         eng.allocator.free_slots = np.concatenate(
             [np.array([slot], np.int32), eng.allocator.free_slots])
-        done["step"], done["slot"] = eng.canary.steps + 1, slot
-        return None
+        return slot
 
+    before, done = decode_fault(double_free)
     _, c = serve(engine, before_step=before)
     assert done
     hits = assert_detected(c, done["step"], "TAIL_K_FULL", "verify_position")
@@ -219,17 +226,13 @@ def test_slot_freed_and_reallocated_while_cached(engine):
 
 def test_kv_byte_flip_in_used_slot(engine):
     """(c) A byte of layer 0's KV flipped in a slot a running request attends to."""
-    done = {}
-
-    def before(eng, running, due):
-        if done or due or running is None or eng.step_no < 3:
-            return None
+    def flip(eng, running):
         q = running.reqs[0]
         slot = int(eng.req_to_token_pool.req_to_token[q.req_pool_idx, 5])
         flip_kv_byte(eng, slot)
-        done["step"], done["slot"] = eng.canary.steps + 1, slot
-        return None
+        return slot
 
+    before, done = decode_fault(flip)
     _, c = serve(engine, before_step=before)
     assert done
     hits = assert_detected(c, done["step"], "TAIL_K_FULL", "verify_real_kv_hash")
@@ -315,17 +318,15 @@ def test_real_data_all_sees_a_flip_deep_in_v(engine):
     c = kvc_sgl.SglangJaxCanary(engine.runner, CONFIG.replace(real_kv_hash_mode="ALL"),
                                 tree_cache=engine.tree_cache)
     head_bytes = engine.kv_buffer[0].shape[2] * engine.kv_buffer[0].dtype.itemsize
-    done = {}
 
-    def before(eng, running, due):
-        if done or due or running is None or eng.step_no < 3:
-            return None
+    def flip(eng, running):
         assert c.monitor.violations == []          # clean until here
         q = running.reqs[0]
         slot = int(eng.req_to_token_pool.req_to_token[q.req_pool_idx, 4])
         flip_kv_byte(eng, slot, head_bytes + 100)   # V head 0, byte 100
-        done["step"], done["slot"] = c.steps + 1, slot
-        return None
+        return slot
+
+    before, done = decode_fault(flip, canary=c)
 
     engine.reset()
     c.install()

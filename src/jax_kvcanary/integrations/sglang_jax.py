@@ -251,8 +251,7 @@ class SglangJaxCanary:
         self.tree_cache = tree_cache
         self.logger = logger or LOGGER
         self.num_slots = int(runner.token_to_kv_pool.kv_buffer[0].shape[0])
-        self._original = runner.jitted_run_model
-        self._model = self._split_model()
+        self._original = self._model = None          # taken by install()
         self._step_fn = self._build_step()
         self._sweep_fn = self._build_sweep()
         self.steps = self.sweeps = 0
