@@ -199,56 +199,57 @@ class TinyEngine:
         return req
 
     @staticmethod
-    def _cut(q, chunk: int) -> None:
-        """Cut ``q``'s extend to ``chunk`` tokens when the rest is longer (``PrefillAdder``)."""
-        if chunk > 0 and q.extend_input_len > chunk:
-            q.extend_input_len = chunk
-            q.fill_ids = q.fill_ids[: len(q.prefix_indices) + chunk]
+    def _cut(r: Request) -> None:
+        """Cut ``r``'s extend to ``r.chunk`` tokens when the rest is longer (``PrefillAdder``)."""
+        q = r.req
+        if r.chunk > 0 and q.extend_input_len > r.chunk:
+            q.extend_input_len = r.chunk
+            q.fill_ids = q.fill_ids[: len(q.prefix_indices) + r.chunk]
             q.is_chunked += 1
 
     def prefill(self, reqs: Sequence[Request], before_forward=None):
         """One EXTEND step for ``reqs``; returns the new ``ScheduleBatch`` (finished ones and the
         one in chunked prefill filtered)."""
-        sreqs = [self._new_req(r) for r in reqs]
-        for q in sreqs:
-            self.tree_cache.inc_lock_ref(q.last_node)
-        chunks = {id(q): r.chunk for r, q in zip(reqs, sreqs)}
-        for q in sreqs:
-            self._cut(q, chunks[id(q)])
-        if sum(q.is_chunked > 0 for q in sreqs) > 1:
+        for r in reqs:
+            self.tree_cache.inc_lock_ref(self._new_req(r).last_node)
+            self._cut(r)
+        if sum(r.req.is_chunked > 0 for r in reqs) > 1:
             raise ValueError("kv-canary: the tiny engine prefills at most one request in chunks at "
                              "a time (as sglang-jax's scheduler)")
-        return self._extend(sreqs, before_forward, chunks)
+        return self._extend(reqs, before_forward)
 
     def prefill_next_chunk(self, before_forward=None):
         """The next EXTEND step of the request in chunked prefill: its last chunk goes into the
         radix tree, its ``req_to_token`` row is freed, and the rest (up to its ``chunk`` tokens)
         extends the cached chunks in a new row (the scheduler's ``get_new_batch_prefill``)."""
-        q, chunk = self._chunked
+        r = self._chunked
+        q = r.req
         self.tree_cache.cache_unfinished_req(q)
         self.req_to_token_pool.free(q.req_pool_idx)
         q.init_next_round_input()
-        self._cut(q, chunk)
-        return self._extend([q], before_forward, {id(q): chunk}, chunked_req=q)
+        self._cut(r)
+        return self._extend([r], before_forward, chunked_req=q)
 
     @property
     def chunked_req(self):
         """The sglang-jax ``Req`` in chunked prefill (the next step extends it), or None."""
-        return None if self._chunked is None else self._chunked[0]
+        return None if self._chunked is None else self._chunked.req
 
-    def _extend(self, sreqs, before_forward, chunks, chunked_req=None):
+    def _extend(self, reqs: Sequence[Request], before_forward, chunked_req=None):
         from sgl_jax.srt.managers.schedule_batch import ScheduleBatch
 
+        sreqs = [r.req for r in reqs]
         batch = ScheduleBatch.init_new(sreqs, self.req_to_token_pool, self.allocator,
                                        self.tree_cache, self.runner.model_config, False,
                                        chunked_req=chunked_req, mesh=self.mesh)
         batch.prepare_for_extend()
         ids = self._forward(batch, before_forward)
         self._chunked = None
-        for q, t in zip(sreqs, ids):
+        for r, t in zip(reqs, ids):
+            q = r.req
             if q.is_chunked > 0:          # a chunk short of the prompt's end samples nothing
                 q.is_chunked -= 1
-                self._chunked = (q, chunks[id(q)])
+                self._chunked = r
                 continue
             q.output_ids.append(int(t))
             q.check_finished()
@@ -256,7 +257,7 @@ class TinyEngine:
                 self.tree_cache.cache_finished_req(q)
             else:
                 self.tree_cache.cache_unfinished_req(q)
-        batch.filter_batch(chunked_req_to_exclude=self._chunked[0] if self._chunked else None)
+        batch.filter_batch(chunked_req_to_exclude=self.chunked_req)
         return batch
 
     def decode(self, batch, before_forward=None):
