@@ -180,6 +180,11 @@ struct Record {
   int64_t token, position, prev_hash, real_kv_hash;
 };
 
+// The chain hash a record hands to its successor (format.md §4.2).
+KVC_HD uint64_t record_successor(const Record& r) {
+  return mix3(static_cast<uint64_t>(r.prev_hash), static_cast<uint64_t>(r.token), static_cast<uint64_t>(r.position));
+}
+
 struct CanaryView {
   uint8_t* data;  // [num_slots, stride]
   int64_t num_slots;
@@ -198,10 +203,7 @@ struct CanaryView {
   }
   // successor_hash(s): anchor hash for any s < 0; caller guarantees s < num_slots.
   KVC_HD uint64_t successor_hash(int64_t s) const {
-    if (s < 0) return splitmix64(CANARY_CHAIN_ANCHOR);
-    const Record r = load(s);
-    return mix3(static_cast<uint64_t>(r.prev_hash), static_cast<uint64_t>(r.token),
-                static_cast<uint64_t>(r.position));
+    return s < 0 ? splitmix64(CANARY_CHAIN_ANCHOR) : record_successor(load(s));
   }
 };
 
@@ -486,31 +488,56 @@ KVC_HD void write_entry_rows(const WriteArgs& a, int64_t i, int64_t slot, int64_
 // Distance, in entries, of the host's write prefetch in write_request (no effect on results).
 constexpr int64_t kWritePrefetchAhead = 16;
 
+// A seed's successor hash taken ahead of its request: a launcher computes those of a block of requests
+// together, so that their hash chains overlap instead of each waiting behind the previous request's.
+// write_request uses `hash` only while the seed still holds `rec` (an earlier request of the launch
+// may have written the seed since), so results do not depend on it.
+struct SeedHash {
+  Record rec;
+  uint64_t hash;
+};
+KVC_HD SeedHash seed_hash_ahead(const CanaryView& c, int64_t seed) {  // caller guarantees 0 <= seed < num_slots
+  const Record r = c.load(seed);
+  return SeedHash{r, record_successor(r)};
+}
+
 // Processes request r over flat entries [lo, hi): reads the seed, emits rows in order, stores
 // records. Returns the number of counted (non-skipped) entries. With do_store false nothing is
-// stored (a count pass); the rows and the return value do not depend on it.
+// stored (a count pass); the rows and the return value do not depend on it, nor on `ahead` (the
+// seed's hash taken ahead, or null).
 template <class T = DynamicTraits, class Emit>
 KVC_HD int64_t write_request(const WriteArgs& a, int64_t r, int64_t lo, int64_t hi, Emit& emit,
-                             bool do_store = true) {
+                             bool do_store = true, const SeedHash* ahead = nullptr) {
   if (hi <= lo) return 0;
   const int64_t S = a.canary.num_slots;
   const int64_t seed = write_seed<T>(a, r, emit);
-  uint64_t running = a.canary.successor_hash(seed);
+  uint64_t running = a.canary.successor_hash(-1);
+  int64_t last_pos = 0;
+  if (seed >= 0) {
+    const Record s = a.canary.load(seed);
+    const bool still = ahead && ahead->rec.prev_hash == s.prev_hash && ahead->rec.token == s.token &&
+                       ahead->rec.position == s.position;
+    running = still ? ahead->hash : record_successor(s);
+    last_pos = s.position;
+  }
   const bool do_pos = seed >= 0 && a.chain_assert;
-  int64_t last_pos = do_pos ? a.canary.load(seed).position : 0;
+  // The chain steps past an entry only when a later entry needs it: none after the request's last.
+  bool step = false;
+  int64_t step_tok = 0, step_pos = 0;
   int64_t written = 0;
   for (int64_t i = lo; i < hi; ++i) {
 #if !defined(__CUDA_ARCH__) && defined(__GNUC__)
     // Host only: a request's slots are scattered pages, so ask for the record kWritePrefetchAhead
     // entries ahead for writing (its cache-line fill then overlaps the serial hash chain).
     if (i + kWritePrefetchAhead < hi) {
-      const int64_t ahead = T::at(a.locs, i + kWritePrefetchAhead);
-      if (ahead >= 0 && ahead < S) __builtin_prefetch(a.canary.slot_ptr(ahead), 1);
+      const int64_t next = T::at(a.locs, i + kWritePrefetchAhead);
+      if (next >= 0 && next < S) __builtin_prefetch(a.canary.slot_ptr(next), 1);
     }
 #endif
     const int64_t slot = T::at(a.locs, i);
     if (slot < 0) continue;
     ++written;
+    if (step) running = mix3(running, static_cast<uint64_t>(step_tok), static_cast<uint64_t>(step_pos));
     const int64_t tok = T::at(a.input_ids, i);
     const int64_t pos = T::at(a.positions, i);
     const int k = write_rkv_oob<T>(a, slot);
@@ -518,7 +545,9 @@ KVC_HD int64_t write_request(const WriteArgs& a, int64_t r, int64_t lo, int64_t 
     write_entry_rows<T>(a, i, slot, tok, pos, k, running, do_pos, add_wrap(last_pos, 1), emit);
     if (do_pos) last_pos = pos;
     if (slot < S && do_store) a.canary.store(slot, Record{tok, pos, static_cast<int64_t>(running), rkv});
-    running = mix3(running, static_cast<uint64_t>(tok), static_cast<uint64_t>(pos));
+    step = true;
+    step_tok = tok;
+    step_pos = pos;
   }
   return written;
 }

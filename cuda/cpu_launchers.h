@@ -137,6 +137,34 @@ bool write_requests_independent(const WriteArgs& a, const std::vector<int64_t>& 
   return true;
 }
 
+// Requests [begin, end) in order: body(r, ahead) with `ahead` the successor hash of r's seed taken a
+// block of requests early (null for a seed out of range). The seeds of a block are independent, so
+// their loads and hash chains overlap; a decode launch (one entry per request) is mostly this.
+constexpr int64_t kSeedBlock = 16;
+
+template <class T, class Body>
+void for_requests_seeded(const WriteArgs& a, int64_t begin, int64_t end, Body&& body) {
+  const int64_t S = a.canary.num_slots;
+  SeedHash ahead[kSeedBlock];
+  for (int64_t b = begin; b < end; b += kSeedBlock) {
+    const int64_t n = std::min(kSeedBlock, end - b);
+    for (int64_t j = 0; j < n; ++j) {
+#if defined(__GNUC__)
+      if (b + kSeedBlock + j < end) {  // the next block's seed record
+        const int64_t next = T::at(a.seeds, b + kSeedBlock + j);
+        if (next >= 0 && next < S) __builtin_prefetch(a.canary.slot_ptr(next));
+      }
+#endif
+      const int64_t seed = T::at(a.seeds, b + j);
+      if (seed >= 0 && seed < S) ahead[j] = seed_hash_ahead(a.canary, seed);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t seed = T::at(a.seeds, b + j);
+      body(b + j, seed >= 0 && seed < S ? &ahead[j] : nullptr);
+    }
+  }
+}
+
 // WRITE launch (format.md §7.3). `capacity` = C; a.chain_assert is the launch's flag. Requests run in
 // order on one thread, unless the launch is large, has several requests and they are independent
 // chains (write_requests_independent): then chunks of consecutive requests run on several threads,
@@ -167,13 +195,13 @@ void write_launch(const WriteArgs& a, IndexView offsets, int64_t capacity, int32
       RingAppender emit{log.ring, log.capacity, base};
       int64_t running_max = offsets[0];
       int64_t lo = clamp_offset(running_max, num_tokens);
-      for (int64_t r = 0; r < active; ++r) {
+      for_requests_seeded<T>(a, 0, active, [&](int64_t r, const SeedHash* ahead) {
         const int64_t next = offsets[r + 1];
         if (next > running_max) running_max = next;
         const int64_t hi = clamp_offset(running_max, num_tokens);
-        written += write_request<T>(a, r, lo, hi, emit);
+        written += write_request<T>(a, r, lo, hi, emit, /*do_store=*/true, ahead);
         lo = hi;
-      }
+      });
       rows = emit.count;
       return;
     }
@@ -183,11 +211,11 @@ void write_launch(const WriteArgs& a, IndexView offsets, int64_t capacity, int32
     for (int64_t k = 0; k <= chunks; ++k)
       first[k] = std::lower_bound(o.begin(), o.end() - 1, o.front() + chunk_begin(k, chunks, entries)) - o.begin();
     exec.run_chunks(chunks, [&](int64_t k) {
-      for (int64_t r = first[k]; r < first[k + 1]; ++r) {
+      for_requests_seeded<T>(a, first[k], first[k + 1], [&](int64_t r, const SeedHash* ahead) {
         RowCounter count;
-        req_written[r] = write_request<T>(a, r, o[r], o[r + 1], count);
+        req_written[r] = write_request<T>(a, r, o[r], o[r + 1], count, /*do_store=*/true, ahead);
         req_rows[r] = count.count;
-      }
+      });
     });
     for (int64_t r = 0; r < active; ++r) {
       const int64_t at = add_wrap(base, rows);

@@ -2,7 +2,8 @@
 into chunks give the reference's bytes, the same as with one thread (``set_cpu_threads(1)``), with
 rows in every chunk, rows past the ring, and writes whose requests are not independent (a slot in two
 requests, a seed written in the same launch: the sequential fallback). The small-chunk paths are also
-fuzzed natively (tests/native/fuzz_driver.cc)."""
+fuzzed natively (tests/native/fuzz_driver.cc). Also the write launchers' seed hashes taken a block of
+requests ahead (cpu_launchers.h): exact when an earlier request of the block rewrote the seed."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -90,6 +91,35 @@ def test_write_in_chunks(threads, conflict, cap):
     got = kvc.write(jnp.asarray(canary), log, jax_tree(wp), jnp.asarray(ids), jnp.asarray(pos),
                     jnp.asarray(loc), tag=5, impl="ffi")
     assert want[1].total() > 20
+    assert not compare("write", want, got)
+
+
+@pytest.mark.parametrize("per_req", [1, 3])
+def test_write_seed_rewritten_by_earlier_request(threads, per_req):
+    """Decode-like launches whose requests chain through each other: request r's seed is a slot that
+    request r - k (k = 1, 5, 17: inside one 16-request block and across blocks) writes in the same
+    launch, so the seed hash taken ahead is stale and must not be used; some seeds are repeated."""
+    rng = np.random.default_rng(4)
+    reqs = 80
+    n = reqs * per_req
+    S = n + 500
+    loc = rng.permutation(np.arange(1, S))[:n].astype(np.int32)
+    ids = rng.integers(0, 32000, n).astype(np.int32)
+    pos = np.tile(np.arange(5, 5 + per_req), reqs).astype(np.int32)
+    offsets = np.arange(0, n + 1, per_req).astype(np.int32)
+    seeds = rng.integers(1, S, reqs).astype(np.int32)
+    for r in range(reqs):
+        k = (1, 5, 17, 0)[r % 4]
+        if k and r >= k:
+            seeds[r] = loc[(r - k) * per_req + per_req - 1]     # the last slot request r - k writes
+    seeds[[30, 31]] = seeds[29]                                  # one seed for three requests
+    canary = rng.integers(0, 256, (S, 32), dtype=np.uint8)
+    wp = kvc.WritePlan(offsets, seeds, np.array([reqs], np.int32))
+    log = _log(4096)
+    want = reference.write(canary, jax_to_np(log), wp, ids, pos, loc, tag=5)
+    got = kvc.write(jnp.asarray(canary), log, jax_tree(wp), jnp.asarray(ids), jnp.asarray(pos),
+                    jnp.asarray(loc), tag=5, impl="ffi")
+    assert want[1].total() > 0
     assert not compare("write", want, got)
 
 
