@@ -372,8 +372,11 @@ struct VerifyArgs {
 KVC_HD int64_t verify_active(int64_t num_valid, int64_t capacity) { return clamp64(num_valid, 0, capacity); }
 
 // Emits the entry's rows, in order: VERIFY_PREV OOB, real-KV OOB, check row; or one VERIFY_SLOT row.
+// `prev_successor`, when given, is the successor hash of the predecessor's record, taken ahead by the
+// launcher (verify stores nothing, so it cannot go stale); used only for an in-range predecessor
+// (0 < prev < num_slots).
 template <class T = DynamicTraits, class Emit>
-KVC_HD void verify_entry(const VerifyArgs& a, int64_t e, Emit& emit) {
+KVC_HD void verify_entry(const VerifyArgs& a, int64_t e, Emit& emit, const uint64_t* prev_successor = nullptr) {
   const int64_t S = a.canary.num_slots;
   const int64_t slot = T::at(a.slots, e);
   if (slot == TOKEN_TO_KV_SLOT_PADDING) return;
@@ -390,8 +393,8 @@ KVC_HD void verify_entry(const VerifyArgs& a, int64_t e, Emit& emit) {
     emit(oob_row(a.tag, slot, epos, -1, prev, IndexKind::VERIFY_PREV, S));
     chain_checked = false;
   }
-  const int64_t exp_chain =
-      chain_checked ? static_cast<int64_t>(a.canary.successor_hash(prev)) : st.prev_hash;
+  const uint64_t prev_hash = prev > 0 && prev_successor ? *prev_successor : a.canary.successor_hash(prev);
+  const int64_t exp_chain = chain_checked ? static_cast<int64_t>(prev_hash) : st.prev_hash;
   bool rkv_checked = true;
   int64_t exp_rkv = 0;
   if (T::sources(a.sources)) {
@@ -488,18 +491,14 @@ KVC_HD void write_entry_rows(const WriteArgs& a, int64_t i, int64_t slot, int64_
 // Distance, in entries, of the host's write prefetch in write_request (no effect on results).
 constexpr int64_t kWritePrefetchAhead = 16;
 
-// A seed's successor hash taken ahead of its request: a launcher computes those of a block of requests
-// together, so that their hash chains overlap instead of each waiting behind the previous request's.
-// write_request uses `hash` only while the seed still holds `rec` (an earlier request of the launch
-// may have written the seed since), so results do not depend on it.
+// A seed's successor hash taken ahead of its request (record_successor(rec)): a launcher computes those
+// of a block of requests together, so that their hash chains overlap instead of each waiting behind
+// the previous request's. write_request uses `hash` only while the seed still holds `rec` (an earlier
+// request of the launch may have written the seed since), so results do not depend on it.
 struct SeedHash {
   Record rec;
   uint64_t hash;
 };
-KVC_HD SeedHash seed_hash_ahead(const CanaryView& c, int64_t seed) {  // caller guarantees 0 <= seed < num_slots
-  const Record r = c.load(seed);
-  return SeedHash{r, record_successor(r)};
-}
 
 // Processes request r over flat entries [lo, hi): reads the seed, emits rows in order, stores
 // records. Returns the number of counted (non-skipped) entries. With do_store false nothing is
