@@ -41,14 +41,35 @@ void with_traits(bool same_width, bool wide, bool plain, Run&& run) {
 constexpr int64_t kHashBlock = 32;
 
 // out[j] = mix3(prev_hash[j], token[j], position[j]) (record_successor of those fields) for a block:
-// independent lanes, which the compiler vectorises; on x86-64 a clone for AVX-512 (64-bit lane
-// multiplies) is picked at load time when the CPU has it.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-__attribute__((target_clones("arch=x86-64-v4", "default")))
-#endif
-static void successor_hashes(const uint64_t* prev_hash, const uint64_t* token, const uint64_t* position,
-                             uint64_t* out) {
+// independent lanes, which the compiler vectorises. On x86-64 with GCC a copy compiled for AVX-512
+// (64-bit lane multiplies) runs when the CPU has it, chosen at the first call (not by an ifunc, which
+// would run before a sanitizer's runtime is up).
+inline __attribute__((always_inline)) void successor_hashes_loop(const uint64_t* prev_hash, const uint64_t* token,
+                                                                 const uint64_t* position, uint64_t* out) {
   for (int64_t j = 0; j < kHashBlock; ++j) out[j] = mix3(prev_hash[j], token[j], position[j]);
+}
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+__attribute__((target("avx512f,avx512dq"))) inline void successor_hashes_avx512(
+    const uint64_t* prev_hash, const uint64_t* token, const uint64_t* position, uint64_t* out) {
+  successor_hashes_loop(prev_hash, token, position, out);
+}
+
+inline bool cpu_has_avx512dq() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  }();
+  return yes;
+}
+#endif
+
+inline void successor_hashes(const uint64_t* prev_hash, const uint64_t* token, const uint64_t* position,
+                             uint64_t* out) {
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+  if (cpu_has_avx512dq()) return successor_hashes_avx512(prev_hash, token, position, out);
+#endif
+  successor_hashes_loop(prev_hash, token, position, out);
 }
 
 // Entries [begin, end) of a verify launch, rows to `emit`.
