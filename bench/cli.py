@@ -66,22 +66,22 @@ def _matrix(mode: str):
 
 MODES = {
     # test-only: the whole pipeline on tiny sizes in seconds (tests/test_bench.py)
-    "smoke": dict(rounds=5, step_rounds=5, target_s=0.0005, sweep=[16], xla_sweep=[16], ref_cap=512, xla_cap=512,
+    "smoke": dict(rounds=5, step_rounds=5, step_target_s=0.0005, target_s=0.0005, sweep=[16], xla_sweep=[16], ref_cap=512, xla_cap=512,
                   chain=[1, 4], step=[(2, 32, {"layers": 1, "d_model": 64, "vocab": 256})], gpu_sweep=[16],
                   copy_mib=8, targets=dict(chain_tokens=4096, decode_bs=16, scaling=(4, 256))),
-    # rounds >= 5 everywhere; target_s = wall time of one contender's calls per round. step_rounds: a
-    # model-dominated step on a shared CPU varies by 20-40 % from round to round, so its on/off ratio
-    # (a median of per-round ratios) needs more rounds than the ops do.
-    "quick": dict(rounds=5, step_rounds=9, target_s=0.004, sweep=[128, 2048], xla_sweep=[128], ref_cap=4096, xla_cap=4096,
+    # rounds >= 5 everywhere; target_s = wall time of one contender's calls per round. step_rounds,
+    # step_target_s: a model-dominated step on a shared CPU varies by 20-40 % from call to call, so its
+    # on/off ratio (a median of per-round ratios) needs more rounds, and rounds of several calls.
+    "quick": dict(rounds=5, step_rounds=9, step_target_s=0.1, target_s=0.004, sweep=[128, 2048], xla_sweep=[128], ref_cap=4096, xla_cap=4096,
                   chain=[1, 16, 64], step=[(4, 256), (16, 1024), (8, 512, REALISTIC)], gpu_sweep=[128, 2048, 32768],
                   targets=dict(chain_tokens=1 << 20, decode_bs=256, scaling=(256, 4096))),
-    "medium": dict(rounds=9, step_rounds=25, target_s=0.01, sweep=[128, 512, 2048, 8192, 32768], xla_sweep=[128, 2048],
+    "medium": dict(rounds=9, step_rounds=25, step_target_s=0.25, target_s=0.01, sweep=[128, 512, 2048, 8192, 32768], xla_sweep=[128, 2048],
                    ref_cap=16384, xla_cap=1 << 20, chain=[1, 4, 16, 64],
                    step=[(8, 512), (32, 1024), (32, 4096), (128, 1024), (8, 512, REALISTIC), (32, 1024, REALISTIC),
                          (16, 2048, REALISTIC), (8, 1024, REALISTIC_WIDE)],
                    gpu_sweep=[128, 2048, 32768, 131072, 524288],
                    targets=dict(chain_tokens=1 << 20, decode_bs=256, scaling=(256, 4096))),
-    "full": dict(rounds=7, step_rounds=25, target_s=0.05, sweep=[128, 512, 2048, 8192, 32768, 131072],
+    "full": dict(rounds=7, step_rounds=25, step_target_s=0.25, target_s=0.05, sweep=[128, 512, 2048, 8192, 32768, 131072],
                  xla_sweep=[128, 2048, 32768], ref_cap=16384, xla_cap=1 << 20, chain=[1, 4, 16, 64, 128],
                  step=[(8, 512), (32, 1024), (32, 4096), (128, 1024), (64, 4096), (8, 512, REALISTIC),
                        (32, 1024, REALISTIC), (64, 4096, REALISTIC), (16, 2048, REALISTIC_WIDE)],
@@ -164,6 +164,7 @@ def run(argv=None) -> dict:
                      "date": datetime.date.today().isoformat(),
                      "started": datetime.datetime.now().isoformat(timespec="seconds"),
                      "rounds": cfg["rounds"], "step_rounds": cfg["step_rounds"], "target_s_per_round": cfg["target_s"],
+                     "step_target_s_per_round": cfg["step_target_s"],
                      "page_size": scenarios.PAGE_SIZE, "pool_slack": scenarios.SLACK})
         notes = []
         from jax_kvcanary import _ffi
@@ -264,7 +265,7 @@ def run(argv=None) -> dict:
             _log("== serving step, canary off vs on")
             steps = []
             for bs, p, *model in cfg["step"]:
-                r = overhead.serving_step(bs, p, rounds=cfg["step_rounds"], target_s=cfg["target_s"], seed=args.seed,
+                r = overhead.serving_step(bs, p, rounds=cfg["step_rounds"], target_s=cfg["step_target_s"], seed=args.seed,
                                           model=model[0] if model else None)
                 md = r["model"]
                 _log(f"    {md['layers']}x{md['d_model']:<5d} bs={bs:4d} prefix={p:5d}  off={r['off_ms']:.2f} ms  "

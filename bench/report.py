@@ -238,7 +238,8 @@ def markdown(out: dict) -> str:
             if m.get("native_baselines") else "")
          + f"Copy bandwidth measured in this run: {out['copy_bandwidth']['GBps']:.1f} GB/s.", "",
          f"Method: warm-up (compile + 2 calls), calibrated reps per round (~{m['target_s_per_round'] * 1e3:.0f} ms), "
-         f"{m['rounds']} interleaved rounds ({m.get('step_rounds', m['rounds'])} for the serving steps) with "
+         f"{m['rounds']} interleaved rounds ({m.get('step_rounds', m['rounds'])} of ~"
+         f"{m.get('step_target_s_per_round', m['target_s_per_round']) * 1e3:.0f} ms for the serving steps) with "
          "rotating order, `block_until_ready`, donated state, Python's garbage collector off while timing; "
          "times are medians over rounds, ratios are medians of per-round ratios (throughput of the first over "
          f"the second). Elapsed {m.get('elapsed_s')} s.", ""]
