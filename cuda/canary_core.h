@@ -393,8 +393,9 @@ KVC_HD void verify_entry(const VerifyArgs& a, int64_t e, Emit& emit, const uint6
     emit(oob_row(a.tag, slot, epos, -1, prev, IndexKind::VERIFY_PREV, S));
     chain_checked = false;
   }
-  const uint64_t prev_hash = prev > 0 && prev_successor ? *prev_successor : a.canary.successor_hash(prev);
-  const int64_t exp_chain = chain_checked ? static_cast<int64_t>(prev_hash) : st.prev_hash;
+  int64_t exp_chain = st.prev_hash;
+  if (chain_checked)  // prev < 0 (the anchor) or 0 < prev < S
+    exp_chain = static_cast<int64_t>(prev > 0 && prev_successor ? *prev_successor : a.canary.successor_hash(prev));
   bool rkv_checked = true;
   int64_t exp_rkv = 0;
   if (T::sources(a.sources)) {

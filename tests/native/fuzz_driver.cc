@@ -510,6 +510,12 @@ void fuzz_verify(Rng& g) {
   const int64_t active = clampi(nv, 0, V);
   const auto rows = oracle_verify(c0, slots, toks, poss, prevs, check, src, tag, active);
   check_log(L0, L, tag, active, rows, true, 3 * active);
+  // The per-entry path of the CUDA kernels (verify_entry hashing each predecessor itself, no hashes
+  // taken a block ahead): the same ring bytes from the same base.
+  Log L2 = L0;
+  RingAppender emit{L2.ring.data(), L2.cap, L0.wi[0]};
+  for (int64_t e = 0; e < active; ++e) verify_entry(a, e, emit);
+  CHECK(L2.ring.same(L.ring), "verify_entry without hashes taken ahead: ring differs from the launcher's");
 }
 
 // ======================================== WRITE ===================================================
