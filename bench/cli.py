@@ -269,7 +269,7 @@ def run(argv=None) -> dict:
                                           model=model[0] if model else None)
                 md = r["model"]
                 _log(f"    {md['layers']}x{md['d_model']:<5d} bs={bs:4d} prefix={p:5d}  off={r['off_ms']:.2f} ms  "
-                     f"on={r['on_ms']:.2f} ms  on/off={r['on_over_off']:.3f}  canary only={r['canary_only_ms']:.2f} ms  "
+                     f"on={r['on_ms']:.2f} ms  on/off={r['on_over_off']:.3f} (min {r['on_over_off_min']:.3f})  canary only={r['canary_only_ms']:.2f} ms  "
                      f"rows={r['violations_recorded']}")
                 steps.append(r)
             out["step"] = steps

@@ -248,6 +248,10 @@ def serving_step(bs: int, prefix: int, *, rounds: int, target_s: float, seed: in
             "launches": "plan + HEAD verify/write K,V + TAIL verify/write K,V (real-KV PARTIAL, layer 0)",
             "off_ms": res["canary_off"].median * 1e3, "on_ms": res["canary_on"].median * 1e3,
             "on_over_off": ratio(res, "canary_off", "canary_on"),
+            # interference only adds time: the fastest rounds' ratio bounds the cost from the quiet side
+            "on_over_off_min": min(res["canary_on"].times) / min(res["canary_off"].times),
+            "off_round_ms": [t * 1e3 for t in res["canary_off"].times],
+            "on_round_ms": [t * 1e3 for t in res["canary_on"].times],
             "canary_only_ms": res["canary_only"].median * 1e3,
             "launches_per_step": 1 + 2 * halves * 2,
             "verified_entries_per_step": 2 * halves * bs * prefix,
