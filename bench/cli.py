@@ -70,18 +70,19 @@ MODES = {
                   chain=[1, 4], step=[(2, 32, {"layers": 1, "d_model": 64, "vocab": 256})], gpu_sweep=[16],
                   copy_mib=8, targets=dict(chain_tokens=4096, decode_bs=16, scaling=(4, 256))),
     # rounds >= 5 everywhere; target_s = wall time of one contender's calls per round. step_rounds,
-    # step_target_s: a model-dominated step on a shared CPU varies by 20-40 % from call to call, so its
-    # on/off ratio (a median of per-round ratios) needs more rounds, and rounds of several calls.
+    # step_target_s: a model-dominated step on a shared CPU varies by ~10 % from call to call (with
+    # bench/host_memory.py; 20-40 % without) and has outliers of 2-4x, so its on/off ratio (a median of
+    # per-round ratios) needs more rounds, and rounds of several calls.
     "quick": dict(rounds=5, step_rounds=9, step_target_s=0.1, target_s=0.004, sweep=[128, 2048], xla_sweep=[128], ref_cap=4096, xla_cap=4096,
                   chain=[1, 16, 64], step=[(4, 256), (16, 1024), (8, 512, REALISTIC)], gpu_sweep=[128, 2048, 32768],
                   targets=dict(chain_tokens=1 << 20, decode_bs=256, scaling=(256, 4096))),
-    "medium": dict(rounds=9, step_rounds=25, step_target_s=0.25, target_s=0.01, sweep=[128, 512, 2048, 8192, 32768], xla_sweep=[128, 2048],
+    "medium": dict(rounds=9, step_rounds=41, step_target_s=0.25, target_s=0.01, sweep=[128, 512, 2048, 8192, 32768], xla_sweep=[128, 2048],
                    ref_cap=16384, xla_cap=1 << 20, chain=[1, 4, 16, 64],
                    step=[(8, 512), (32, 1024), (32, 4096), (128, 1024), (8, 512, REALISTIC), (32, 1024, REALISTIC),
                          (16, 2048, REALISTIC), (8, 1024, REALISTIC_WIDE)],
                    gpu_sweep=[128, 2048, 32768, 131072, 524288],
                    targets=dict(chain_tokens=1 << 20, decode_bs=256, scaling=(256, 4096))),
-    "full": dict(rounds=7, step_rounds=25, step_target_s=0.25, target_s=0.05, sweep=[128, 512, 2048, 8192, 32768, 131072],
+    "full": dict(rounds=7, step_rounds=41, step_target_s=0.25, target_s=0.05, sweep=[128, 512, 2048, 8192, 32768, 131072],
                  xla_sweep=[128, 2048, 32768], ref_cap=16384, xla_cap=1 << 20, chain=[1, 4, 16, 64, 128],
                  step=[(8, 512), (32, 1024), (32, 4096), (128, 1024), (64, 4096), (8, 512, REALISTIC),
                        (32, 1024, REALISTIC), (64, 4096, REALISTIC), (16, 2048, REALISTIC_WIDE)],
@@ -147,6 +148,9 @@ def run(argv=None) -> dict:
     cfg = MODES[args.mode]
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     t_start = time.time()
+    # before JAX's CPU client starts its threads (bench/host_memory.py says why)
+    from .host_memory import keep_freed_memory
+    host_allocator = keep_freed_memory() if args.platform == "cpu" else "unchanged (not a CPU run)"
 
     import jax
     try:
@@ -165,7 +169,8 @@ def run(argv=None) -> dict:
                      "started": datetime.datetime.now().isoformat(timespec="seconds"),
                      "rounds": cfg["rounds"], "step_rounds": cfg["step_rounds"], "target_s_per_round": cfg["target_s"],
                      "step_target_s_per_round": cfg["step_target_s"],
-                     "page_size": scenarios.PAGE_SIZE, "pool_slack": scenarios.SLACK})
+                     "page_size": scenarios.PAGE_SIZE, "pool_slack": scenarios.SLACK,
+                     "host_allocator": host_allocator})
         notes = []
         from jax_kvcanary import _ffi
         backends = []
