@@ -143,14 +143,12 @@ def _print_rec(rec):
     _log(f"    {rec['op']:6s} n={rec['entries']:>9d}  " + " ".join(parts) + ("  | " + " ".join(rs) if rs else ""))
 
 
-def run(argv=None) -> dict:
+def run(argv=None, *, host_allocator: str = "unchanged (bench.run called in-process)") -> dict:
+    """Runs the suite; ``host_allocator`` says what the caller did to the host allocator (``main``)."""
     args = parse_args(argv)
     cfg = MODES[args.mode]
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     t_start = time.time()
-    # before JAX's CPU client starts its threads (bench/host_memory.py says why)
-    from .host_memory import keep_freed_memory
-    host_allocator = keep_freed_memory() if args.platform == "cpu" else "unchanged (not a CPU run)"
 
     import jax
     try:
@@ -303,5 +301,9 @@ def run(argv=None) -> dict:
 
 
 def main(argv=None):
-    run(argv)
+    """``python -m bench``: a process of its own, so it may set the host allocator for the whole run,
+    before JAX's CPU client starts its threads (bench/host_memory.py says why)."""
+    from .host_memory import keep_freed_memory
+    on_cpu = parse_args(argv).platform == "cpu"
+    run(argv, host_allocator=keep_freed_memory() if on_cpu else "unchanged (not a CPU run)")
     return 0

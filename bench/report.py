@@ -242,7 +242,7 @@ def markdown(out: dict) -> str:
          f"{m.get('step_target_s_per_round', m['target_s_per_round']) * 1e3:.0f} ms for the serving steps) with "
          "rotating order, `block_until_ready`, donated state, Python's garbage collector off while timing; "
          "times are medians over rounds, ratios are medians of per-round ratios (throughput of the first over "
-         f"the second). Host allocator: " + m.get("host_allocator", "unchanged")
+         "the second). Host allocator: " + m.get("host_allocator", "unchanged")
          + f" (bench/host_memory.py). Elapsed {m.get('elapsed_s')} s.", ""]
     if out["notes"]:
         L += ["Notes:", ""] + [f"- {n}" for n in out["notes"]] + [""]
