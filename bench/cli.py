@@ -143,8 +143,8 @@ def _print_rec(rec):
     _log(f"    {rec['op']:6s} n={rec['entries']:>9d}  " + " ".join(parts) + ("  | " + " ".join(rs) if rs else ""))
 
 
-def run(argv=None, *, host_allocator: str = "unchanged (bench.run called in-process)") -> dict:
-    """Runs the suite; ``host_allocator`` says what the caller did to the host allocator (``main``)."""
+def run(argv=None) -> dict:
+    """Runs the suite; returns what it wrote to the JSON file."""
     args = parse_args(argv)
     cfg = MODES[args.mode]
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -157,7 +157,7 @@ def run(argv=None, *, host_allocator: str = "unchanged (bench.run called in-proc
         raise SystemExit(f"bench: no {args.platform} device: {e}")
     dev = devices[0]
 
-    from . import cpu_targets, harness, native, offload, opbench, overhead, report, scenarios
+    from . import cpu_targets, harness, native, offload, opbench, overhead, report, scenarios, step_process
 
     with jax.default_device(dev):
         meta = harness.machine_info(args.platform)
@@ -167,8 +167,7 @@ def run(argv=None, *, host_allocator: str = "unchanged (bench.run called in-proc
                      "started": datetime.datetime.now().isoformat(timespec="seconds"),
                      "rounds": cfg["rounds"], "step_rounds": cfg["step_rounds"], "target_s_per_round": cfg["target_s"],
                      "step_target_s_per_round": cfg["step_target_s"],
-                     "page_size": scenarios.PAGE_SIZE, "pool_slack": scenarios.SLACK,
-                     "host_allocator": host_allocator})
+                     "page_size": scenarios.PAGE_SIZE, "pool_slack": scenarios.SLACK})
         notes = []
         from jax_kvcanary import _ffi
         backends = []
@@ -266,16 +265,10 @@ def run(argv=None, *, host_allocator: str = "unchanged (bench.run called in-proc
         if "step" in sections:
             t_sec = time.time()
             _log("== serving step, canary off vs on")
-            steps = []
-            for bs, p, *model in cfg["step"]:
-                r = overhead.serving_step(bs, p, rounds=cfg["step_rounds"], target_s=cfg["step_target_s"], seed=args.seed,
-                                          model=model[0] if model else None)
-                md = r["model"]
-                _log(f"    {md['layers']}x{md['d_model']:<5d} bs={bs:4d} prefix={p:5d}  off={r['off_ms']:.2f} ms  "
-                     f"on={r['on_ms']:.2f} ms  on/off={r['on_over_off']:.3f} (min {r['on_over_off_min']:.3f})  canary only={r['canary_only_ms']:.2f} ms  "
-                     f"rows={r['violations_recorded']}")
-                steps.append(r)
-            out["step"] = steps
+            if args.platform == "cpu":
+                out["step"], meta["step_host_allocator"] = step_process.run_in_child(args.mode, args.seed)
+            else:
+                out["step"] = step_process.run_steps(cfg, args.seed, _log)
             meta.setdefault("section_s", {})["step"] = round(time.time() - t_sec, 1)
 
         if "offload" in sections:
@@ -301,9 +294,6 @@ def run(argv=None, *, host_allocator: str = "unchanged (bench.run called in-proc
 
 
 def main(argv=None):
-    """``python -m bench``: a process of its own, so it may set the host allocator for the whole run,
-    before JAX's CPU client starts its threads (bench/host_memory.py says why)."""
-    from .host_memory import keep_freed_memory
-    on_cpu = parse_args(argv).platform == "cpu"
-    run(argv, host_allocator=keep_freed_memory() if on_cpu else "unchanged (not a CPU run)")
+    """``python -m bench``."""
+    run(argv)
     return 0

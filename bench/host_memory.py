@@ -13,7 +13,8 @@ heap (0 faults per step, the same step in ~270 ms, rounds within +-8 %). Both si
 under it. It must run before XLA's threads first allocate (before the first JAX computation); later,
 threads keep the arena they already have. Its own cost: with one arena shared by every thread a
 custom call's launch inside a compiled step takes ~0.3 us more (the ``targets`` section's 256
-decode writes, three runs each: 0.89-1.02 of the C loop with it, 1.06-1.10 without).
+decode writes, three runs each: 0.89-1.02 of the C loop with it, 1.06-1.10 without). So only the
+serving-step section runs under it, in a process of its own (bench/step_process.py).
 """
 
 from __future__ import annotations

@@ -242,8 +242,11 @@ def markdown(out: dict) -> str:
          f"{m.get('step_target_s_per_round', m['target_s_per_round']) * 1e3:.0f} ms for the serving steps) with "
          "rotating order, `block_until_ready`, donated state, Python's garbage collector off while timing; "
          "times are medians over rounds, ratios are medians of per-round ratios (throughput of the first over "
-         "the second). Host allocator: " + m.get("host_allocator", "unchanged")
-         + f" (bench/host_memory.py). Elapsed {m.get('elapsed_s')} s.", ""]
+         "the second). "
+         + (f"Serving steps timed in a process of their own (bench/step_process.py), host allocator there: "
+            f"{m['step_host_allocator']} (bench/host_memory.py); the other sections with glibc's defaults. "
+            if m.get("step_host_allocator") else "")
+         + f"Elapsed {m.get('elapsed_s')} s.", ""]
     if out["notes"]:
         L += ["Notes:", ""] + [f"- {n}" for n in out["notes"]] + [""]
     L += ["Scenarios: paged pool (page 16, 1.25x slack, page 0 reserved), each request's pages drawn from a "
@@ -418,7 +421,7 @@ def write_all(out: dict, out_dir: str, stem: str):
     paths = []
     p = os.path.join(out_dir, stem + ".json")
     with open(p, "w") as f:
-        json.dump(out, f, indent=1, default=_json_default)
+        json.dump(out, f, indent=1, default=json_default)
     paths.append(p)
     p = os.path.join(out_dir, stem + ".md")
     with open(p, "w") as f:
@@ -436,7 +439,7 @@ def write_all(out: dict, out_dir: str, stem: str):
     return paths
 
 
-def _json_default(x):
+def json_default(x):
     if isinstance(x, (np.integer,)):
         return int(x)
     if isinstance(x, (np.floating,)):

@@ -175,8 +175,11 @@ def test_smoke_run_writes_every_output(tmp_path):
         assert r.get("c_write_chain_records_match_ffi", True)
     assert all(s["violations_recorded"] == 0 for s in data["step"])
     assert data["step"][0]["on_over_off"] > 0
+    # the steps ran in a child process of their own (bench/step_process.py), which set its allocator
+    assert data["meta"]["step_host_allocator"]
     assert set(data["dispatch"]["ops"]) >= {"verify[ffi]", "write[ffi]", "plan[ffi]", "xla_op"}
     md = (tmp_path / f"{stem}.md").read_text()
+    assert "Serving steps timed in a process of their own" in md
     assert "## Per-op throughput" in md and "## Scenario matrix" in md and "on/off" in md
     assert "## Host check of an offloaded copy vs memcpy" in md
     assert "python -m bench --smoke" in (tmp_path / "README_snippet.md").read_text()
