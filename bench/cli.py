@@ -68,26 +68,31 @@ MODES = {
     # test-only: the whole pipeline on tiny sizes in seconds (tests/test_bench.py)
     "smoke": dict(rounds=5, step_rounds=5, step_target_s=0.0005, target_s=0.0005, sweep=[16], xla_sweep=[16], ref_cap=512, xla_cap=512,
                   chain=[1, 4], step=[(2, 32, {"layers": 1, "d_model": 64, "vocab": 256})], gpu_sweep=[16],
-                  copy_mib=8, targets=dict(chain_tokens=4096, decode_bs=16, scaling=(4, 256))),
+                  copy_mib=8, targets=dict(chain_tokens=4096, decode_bs=16, scaling=(4, 256), scaling_rounds=5, scaling_target_s=0.0005)),
     # rounds >= 5 everywhere; target_s = wall time of one contender's calls per round. step_rounds,
     # step_target_s: a model-dominated step on a shared CPU varies by ~10 % from call to call (with
     # bench/host_memory.py; 20-40 % without) and has outliers of 2-4x, so its on/off ratio (a median of
-    # per-round ratios) needs more rounds, and rounds of several calls.
+    # per-round ratios) needs more rounds, and rounds of several calls. scaling_rounds, scaling_target_s:
+    # the same for the thread-pool scaling line, whose one-thread verify of 2^20 entries (~8 ms) varies
+    # by up to 1.8x between calls on a shared VM.
     "quick": dict(rounds=5, step_rounds=9, step_target_s=0.1, target_s=0.004, sweep=[128, 2048], xla_sweep=[128], ref_cap=4096, xla_cap=4096,
                   chain=[1, 16, 64], step=[(4, 256), (16, 1024), (8, 512, REALISTIC)], gpu_sweep=[128, 2048, 32768],
-                  targets=dict(chain_tokens=1 << 20, decode_bs=256, scaling=(256, 4096))),
+                  targets=dict(chain_tokens=1 << 20, decode_bs=256, scaling=(256, 4096), scaling_rounds=15,
+                               scaling_target_s=0.02)),
     "medium": dict(rounds=9, step_rounds=41, step_target_s=0.25, target_s=0.01, sweep=[128, 512, 2048, 8192, 32768], xla_sweep=[128, 2048],
                    ref_cap=16384, xla_cap=1 << 20, chain=[1, 4, 16, 64],
                    step=[(8, 512), (32, 1024), (32, 4096), (128, 1024), (8, 512, REALISTIC), (32, 1024, REALISTIC),
                          (16, 2048, REALISTIC), (8, 1024, REALISTIC_WIDE)],
                    gpu_sweep=[128, 2048, 32768, 131072, 524288],
-                   targets=dict(chain_tokens=1 << 20, decode_bs=256, scaling=(256, 4096))),
+                   targets=dict(chain_tokens=1 << 20, decode_bs=256, scaling=(256, 4096), scaling_rounds=31,
+                                scaling_target_s=0.05)),
     "full": dict(rounds=7, step_rounds=41, step_target_s=0.25, target_s=0.05, sweep=[128, 512, 2048, 8192, 32768, 131072],
                  xla_sweep=[128, 2048, 32768], ref_cap=16384, xla_cap=1 << 20, chain=[1, 4, 16, 64, 128],
                  step=[(8, 512), (32, 1024), (32, 4096), (128, 1024), (64, 4096), (8, 512, REALISTIC),
                        (32, 1024, REALISTIC), (64, 4096, REALISTIC), (16, 2048, REALISTIC_WIDE)],
                  gpu_sweep=[128, 2048, 32768, 131072, 524288],
-                 targets=dict(chain_tokens=1 << 20, decode_bs=256, scaling=(256, 4096))),
+                 targets=dict(chain_tokens=1 << 20, decode_bs=256, scaling=(256, 4096), scaling_rounds=31,
+                                scaling_target_s=0.05)),
 }
 
 
@@ -256,7 +261,8 @@ def run(argv=None) -> dict:
             _log("== the serving path's hot cases: ffi vs a C loop / one thread")
             targets = [cpu_targets.write_chain(env, tc["chain_tokens"], seed=args.seed, **rk),
                        cpu_targets.write_decode(env, tc["decode_bs"], 1024, seed=args.seed, **rk),
-                       cpu_targets.verify_scaling(*tc["scaling"], seed=args.seed, **rk)]
+                       cpu_targets.verify_scaling(*tc["scaling"], seed=args.seed, rounds=tc["scaling_rounds"],
+                                                  target_s=tc["scaling_target_s"])]
             for line in report._targets_lines(targets)[2:]:
                 _log("    " + line)
             out["targets"] = targets

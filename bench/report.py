@@ -148,7 +148,8 @@ def _targets_lines(targets):
         elif r["target"] == "verify_scaling":
             L.append(f"| verify, {r['entries']} entries, XLA's thread pool vs one thread ({r['cpu_count']} cores) | "
                      f"{r['pool_entries_per_s'] / 1e6:.1f} M/s | one thread {r['one_thread_entries_per_s'] / 1e6:.1f} M/s "
-                     f"| {_x(r['speedup'])} | >= {VERIFY_SCALING} (2+ cores) |")
+                     f"| {_x(r['speedup'])} (fastest rounds {_x(r.get('speedup_fastest'))}) "
+                     f"| >= {VERIFY_SCALING} (2+ cores) |")
     return L
 
 
