@@ -240,7 +240,10 @@ def markdown(out: dict) -> str:
          + f"Copy bandwidth measured in this run: {out['copy_bandwidth']['GBps']:.1f} GB/s.", "",
          f"Method: warm-up (compile + 2 calls), calibrated reps per round (~{m['target_s_per_round'] * 1e3:.0f} ms), "
          f"{m['rounds']} interleaved rounds ({m.get('step_rounds', m['rounds'])} of ~"
-         f"{m.get('step_target_s_per_round', m['target_s_per_round']) * 1e3:.0f} ms for the serving steps) with "
+         f"{m.get('step_target_s_per_round', m['target_s_per_round']) * 1e3:.0f} ms for the serving steps"
+         + "".join(f", {t['rounds']} for the thread-pool scaling" for t in out.get("targets", [])
+                   if t["target"] == "verify_scaling" and "rounds" in t)
+         + ") with "
          "rotating order, `block_until_ready`, donated state, Python's garbage collector off while timing; "
          "times are medians over rounds, ratios are medians of per-round ratios (throughput of the first over "
          "the second). "
