@@ -9,12 +9,12 @@ its noise hides a canary that costs well under 1 % of the step.
 
 ``keep_freed_memory()`` asks glibc for one arena, no mmap-backed chunks and no trimming (``mallopt``),
 as a serving process with its own allocator effectively has: the temporaries are then reused from the
-heap (0 faults per step, the same step in ~270 ms, rounds within +-8 %). Both sides of every ratio run
-under it. It must run before XLA's threads first allocate (before the first JAX computation); later,
-threads keep the arena they already have. Its own cost: with one arena shared by every thread a
-custom call's launch inside a compiled step takes ~0.3 us more (the ``targets`` section's 256
-decode writes, three runs each: 0.89-1.02 of the C loop with it, 1.06-1.10 without). So only the
-serving-step section runs under it, in a process of its own (bench/step_process.py).
+heap (0 faults per step, the same step in ~270 ms, rounds within +-8 %). The canary-on and -off
+steps both run under it. It must run before XLA's threads first allocate (before the first JAX
+computation); later, threads keep the arena they already have. Its own cost: with one arena shared
+by every thread a custom call's launch inside a compiled step takes ~0.3 us more (the ``targets``
+section's 256 decode writes, three runs each: 0.89-1.02 of the C loop with it, 1.06-1.10 without).
+So only the serving-step section runs under it, in a process of its own (bench/step_process.py).
 """
 
 from __future__ import annotations

@@ -226,6 +226,7 @@ def _la(x):
 
 def markdown(out: dict) -> str:
     m = out["meta"]
+    scaling = next((t for t in out.get("targets", []) if t["target"] == "verify_scaling"), None)
     L = [f"# jax_kvcanary benchmark — {m['platform']} — {m['date']} ({m['mode']})", "",
          f"Command: `{m['command']}` (from the repository root, `PYTHONPATH=.`)", "",
          f"Machine: {m['cpu']}, {m['affinity_cpus']} usable of {m['cpu_count']} cores, {m['mem_gib']} GiB; "
@@ -241,8 +242,7 @@ def markdown(out: dict) -> str:
          f"Method: warm-up (compile + 2 calls), calibrated reps per round (~{m['target_s_per_round'] * 1e3:.0f} ms), "
          f"{m['rounds']} interleaved rounds ({m.get('step_rounds', m['rounds'])} of ~"
          f"{m.get('step_target_s_per_round', m['target_s_per_round']) * 1e3:.0f} ms for the serving steps"
-         + "".join(f", {t['rounds']} for the thread-pool scaling" for t in out.get("targets", [])
-                   if t["target"] == "verify_scaling" and "rounds" in t)
+         + (f", {scaling['rounds']} for the thread-pool scaling" if scaling else "")
          + ") with "
          "rotating order, `block_until_ready`, donated state, Python's garbage collector off while timing; "
          "times are medians over rounds, ratios are medians of per-round ratios (throughput of the first over "
