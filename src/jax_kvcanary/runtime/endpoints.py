@@ -68,7 +68,8 @@ class CanaryBatch(NamedTuple):
       req_pool_indices   [B]      pool row per batch row; 0 = padding row
       prefix_lens        [B]      tokens already in the KV cache
       extend_seq_lens    [B]      tokens written this step
-      req_to_token       [R, L]   full-pool slot of (pool row, position)
+      req_to_token       [R, L]   full-pool slot of (pool row, position); or, with
+                                  ``req_to_token_row_starts``, the step's flat page table [T]
       input_ids          [N]      token per flat entry (rows concatenated in batch order)
       positions          [N]      position per flat entry
       out_cache_loc      [N]      full-pool slot written per flat entry
@@ -76,6 +77,10 @@ class CanaryBatch(NamedTuple):
       expected_input_tokens / expected_input_positions  [N] or None   oracle values (write assert)
       token_pool         [R, Cp] or None   ground-truth tokens per (pool row, position) (token check)
       token_valid_lens   [B] or None       valid prefix of each batch row's pool row
+      req_to_token_row_starts  [B] or None  with a flat ``req_to_token``: where each batch row's
+                         segment starts (``plan(..., row_starts=...)``). The table is then what
+                         attention reads this step, this step's own tokens included, and the
+                         endpoints verify every entry of it after the write (``head``).
     """
 
     req_pool_indices: Any
@@ -90,10 +95,21 @@ class CanaryBatch(NamedTuple):
     expected_input_positions: Any = None
     token_pool: Any = None
     token_valid_lens: Any = None
+    req_to_token_row_starts: Any = None
+
+    @property
+    def is_page_table(self) -> bool:
+        """True when ``req_to_token`` is the step's flat page table (``req_to_token_row_starts``)."""
+        return self.req_to_token_row_starts is not None
 
 
 class GroupPlan(NamedTuple):
-    """One group's plans for a step, computed by ``head`` and reused by ``tail``."""
+    """One group's plans for a step, computed by ``head`` and reused by ``tail``.
+
+    For a page-table batch (``CanaryBatch.is_page_table``) the verify plan covers every entry of
+    each row's segment, this step's tokens included (positions ``[0, prefix + extend)``), and is
+    run after the write; otherwise it covers the prefix and runs before the write (upstream's
+    order)."""
 
     verify_plan: VerifyPlan
     write_plan: WritePlan
@@ -235,13 +251,26 @@ class CanaryEndpoints:
                 lut = batch.full_to_swa_index_mapping
                 if lut is None:
                     raise ValueError("kv-canary: the SWA group needs batch.full_to_swa_index_mapping")
-            vp, wp = kvc.plan(
-                batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens, batch.req_to_token,
-                verify_capacity=self.verify_capacity[g], write_req_capacity=self.write_req_capacity,
-                swa_window_size=self.window[g], full_to_swa_index_mapping=lut,
-                req_to_verify_expected_tokens=batch.token_pool if cfg.token_check else None,
-                req_to_verify_expected_tokens_valid_lens=(batch.token_valid_lens if cfg.token_check
-                                                          else None))
+            def plan_of(prefix_lens, extend_seq_lens, verify_capacity):
+                return kvc.plan(
+                    batch.req_pool_indices, prefix_lens, extend_seq_lens, batch.req_to_token,
+                    verify_capacity=verify_capacity, write_req_capacity=self.write_req_capacity,
+                    swa_window_size=self.window[g], full_to_swa_index_mapping=lut,
+                    req_to_verify_expected_tokens=batch.token_pool if cfg.token_check else None,
+                    req_to_verify_expected_tokens_valid_lens=(batch.token_valid_lens
+                                                              if cfg.token_check else None),
+                    row_starts=batch.req_to_token_row_starts)
+
+            if batch.is_page_table:
+                # the write plan alone (a 1-entry verify capacity overflows, so no verify entry is
+                # filled), then the verify plan of every segment entry: the prefix and this step's
+                # tokens, which the write has stamped by the time it runs
+                _, wp = plan_of(batch.prefix_lens, batch.extend_seq_lens, 1)
+                seq_lens = batch.prefix_lens + jnp.maximum(batch.extend_seq_lens, 0)
+                vp, _ = plan_of(seq_lens, jnp.zeros_like(batch.extend_seq_lens),
+                                self.verify_capacity[g])
+            else:
+                vp, wp = plan_of(batch.prefix_lens, batch.extend_seq_lens, self.verify_capacity[g])
             loc = batch.out_cache_loc if lut is None else translate_slots(lut, batch.out_cache_loc)
             plans[g] = GroupPlan(vp, wp, loc)
         return plans
@@ -260,21 +289,30 @@ class CanaryEndpoints:
             tag = launch_tag(stage, h, g)
             srcs = tuple(sources.get(h, ())) if stage == "TAIL" else ()
             c = canaries[tag.name]
-            log = kvc.verify(c, log, plan.verify_plan, tag=int(tag),
-                             check_verify_expected_token=cfg.token_check,
-                             real_kv_sources=srcs, real_kv_hash_mode=mode)
+
+            def verify(log):
+                return kvc.verify(c, log, plan.verify_plan, tag=int(tag),
+                                  check_verify_expected_token=cfg.token_check,
+                                  real_kv_sources=srcs, real_kv_hash_mode=mode)
+
+            if not batch.is_page_table:
+                log = verify(log)
             c, log = kvc.write(c, log, plan.write_plan, batch.input_ids, batch.positions, plan.loc,
                                tag=int(tag), enable_write_input_assert=wia,
                                expected_input_tokens=batch.expected_input_tokens if wia else None,
                                expected_input_positions=(batch.expected_input_positions if wia
                                                          else None),
                                real_kv_sources=srcs, real_kv_hash_mode=mode)
+            if batch.is_page_table:
+                log = verify(log)
             canaries[tag.name] = c
             written = _add_u64_pairs(written, int(tag), _written_count(plan.write_plan, plan.loc))
         return CanaryState(canaries, log, written)
 
     def head(self, state: CanaryState, batch: CanaryBatch):
-        """Before attention: plan, then per group and half a HEAD verify + write (no real-KV).
+        """Before attention: plan, then per group and half a HEAD verify + write (no real-KV);
+        for a page-table batch the write comes first and the verify checks every entry attention
+        will read (``CanaryBatch.req_to_token_row_starts``).
 
         Args:
           state: the ``CanaryState``.
@@ -291,7 +329,8 @@ class CanaryEndpoints:
         return state, ctx
 
     def tail(self, state: CanaryState, ctx, real_kv: Optional[Mapping] = None) -> CanaryState:
-        """After the forward: per group and half a TAIL verify + write on the tail canary.
+        """After the forward: per group and half a TAIL verify + write on the tail canary (write
+        first for a page-table batch, as in ``head``).
 
         Args:
           state: the ``CanaryState`` returned by ``head``.

@@ -1,0 +1,35 @@
+"""The canary inside sglang-jax (the JAX backend of SGLang), without editing sglang-jax's source.
+
+Guard sglang-jax's own HTTP server with one command (``launch_server``)::
+
+    python -m jax_kvcanary.integrations.sglang_jax.launch_server --kv-canary log \\
+        --model-path DIR <any other sgl_jax.launch_server arguments>
+
+or install it where your code builds sglang-jax's scheduler or model runner::
+
+    import jax_kvcanary.integrations.sglang_jax as kvc_sgl
+    canary = kvc_sgl.install_into_scheduler(scheduler, config)   # then canary.precompile(...)
+    # or: kvc_sgl.install(model_runner, config, tree_cache=radix_cache)
+    # flags: kvc_sgl.add_cli_args(parser); config = kvc_sgl.config_from_args(parser.parse_args())
+
+Supported: sglang-jax 0.0.2 and its main branch (``layout``: the runner's layout decides, not a
+version string), the overlap scheduler and the non-overlap one, page sizes 1 and above, the native
+and fa attention backends, ``--enable-single-process``. Refused before start (``server.refusals``):
+tensor and data parallelism, speculative decoding, LoRA, multimodal, PD disaggregation, HiCache,
+the AOT dispatcher, MLA and hybrid (SWA, recurrent) KV pools.
+
+Modules: ``canary`` (``SglangJaxCanary``: the wrapped model call and its checks), ``layout`` (the
+engine's arrays as the canary addresses them), ``server`` (refusals, the guarded scheduler),
+``launch_server`` (the command), ``inject`` (faults for testing), ``flags`` (the upstream flags).
+Importing this package does not import sglang-jax.
+"""
+
+from .canary import SglangJaxCanary, install, install_into_scheduler, radix_chains
+from .flags import REAL_DATA_CHOICES, add_cli_args, config_from_args
+from .layout import fused_geometry, page_table_batch, real_kv_sources, segment_starts
+
+__all__ = [
+    "SglangJaxCanary", "install", "install_into_scheduler", "radix_chains", "REAL_DATA_CHOICES",
+    "add_cli_args", "config_from_args", "fused_geometry", "page_table_batch", "real_kv_sources",
+    "segment_starts",
+]

@@ -1,0 +1,339 @@
+"""``SglangJaxCanary``: the canary installed into one sglang-jax ``ModelRunner``.
+
+**What is wrapped, and why.** Exactly one thing, on the one ``ModelRunner`` instance passed in:
+``model_runner.jitted_run_model``, the instance attribute that ``ModelRunner.initialize_jit`` sets
+to a Python wrapper around the runner's ``jax.jit``-compiled model call and that
+``ModelRunner._forward`` calls once per step. It is the one place where the step's batch
+(``ForwardBatch``), the KV pool before the forward and the per-layer KV buffers after it are all
+inside one compiled program. ``install`` replaces it by a wrapper around this module's own
+``jax.jit`` step, which runs canary HEAD, the same model call, then canary TAIL (real-KV
+fingerprints of layer 0 after the forward), donating the KV pool and the canary state together,
+and returns what the original returned, so ``_forward``, sampling and the scheduler run
+unchanged. ``uninstall()`` puts the original back.
+
+**What the step checks.** The plan is made on the device from the step's own page table
+(``forward_batch.cache_loc``, the slots attention reads: ``layout.page_table_batch``), so nothing
+is copied to the device per step and nothing is read back inside the step. HEAD stamps the records
+of the step's new slots (``out_cache_loc``) and then verifies every entry of every request's
+segment, this step's tokens included: a wrong ``cache_loc`` entry, a ``req_to_token`` entry that
+points at another slot, or a slot that was reallocated while a cached prefix still uses it is a
+violation in the step that reads it. TAIL does the same on the tail canaries with layer 0's real
+KV bytes fingerprinted after the forward.
+
+**Sweeps** of the prefix cache (``config.sweep_interval``) are collected on the host where the
+scheduler's radix tree is consistent (``request_sweep``, called by the scheduler hook of
+``install_into_scheduler`` before it launches a batch, or by the wrapper itself when there is no
+scheduler hook) and run by the next step.
+
+**Reporting.** After each step the wrapper starts the canary's one-step-lag readback
+(``Monitor``): mode ``log`` logs each new violation (``logging.getLogger('jax_kvcanary')``),
+mode ``raise`` hands the engine the step's KV buffers (``store_kv``, so it is not left holding
+donated arrays) and raises ``CanaryViolationError``.
+
+**Compiles.** ``precompile(engine_precompile)`` runs the engine's own precompile with the canary
+installed (so the step is compiled for each of the engine's buckets), compiles the sweep for every
+capacity bucket, then starts from a fresh state: no compile is left for the request path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+from ...runtime.config import CanaryConfig
+from ...runtime.endpoints import CanaryEndpoints
+from ...runtime.monitor import Monitor, counter_snapshot
+from ...runtime.sweep import DEFAULT_MIN_CAPACITY, bucket_capacity, build_group_sweep_plans
+from .layout import page_table_batch, real_kv_sources, runner_layout
+
+LOGGER = logging.getLogger("jax_kvcanary")
+
+
+def radix_chains(tree_cache) -> np.ndarray:
+    """``int64[n, 3]`` ``(slot, position, prev_slot)`` of every slot an sglang-jax ``RadixCache``
+    holds (position = depth; prev = the previous slot on the path, -1 at the root)."""
+    out = []
+    stack = [(tree_cache.root_node, 0, -1)]
+    while stack:
+        node, depth, prev = stack.pop()
+        for child in list(node.children.values()):
+            val = child.value
+            if val is None or len(val) == 0:
+                continue
+            slots = np.asarray(val, np.int64)
+            n = slots.shape[0]
+            ch = np.empty((n, 3), np.int64)
+            ch[:, 0] = slots
+            ch[:, 1] = np.arange(depth, depth + n)
+            ch[0, 2] = prev
+            ch[1:, 2] = slots[:-1]
+            out.append(ch)
+            stack.append((child, depth + n, int(slots[-1])))
+    return np.concatenate(out) if out else np.zeros((0, 3), np.int64)
+
+
+class SglangJaxCanary:
+    """The canary installed into one sglang-jax ``ModelRunner`` (made by ``install``).
+
+    Args:
+      runner: the engine's ``ModelRunner`` (sglang-jax 0.0.2 or main; ``layout.runner_layout``).
+      config: the ``CanaryConfig``; mode ``'none'`` is refused (install nothing instead).
+      tree_cache: the scheduler's ``RadixCache``; needed when ``config.sweep_interval > 0``.
+      logger: where reports go (default ``logging.getLogger('jax_kvcanary')``).
+
+    Attributes: ``config``, ``state`` (the ``CanaryState``, donated by every step), ``monitor``
+    (``Monitor``: ``monitor.violations`` holds what was reported), ``steps``, ``sweeps``,
+    ``layout`` (the runner adapter).
+
+    Raises:
+      TypeError, ValueError: a ``kv-canary:`` message for a runner or a setting it cannot cover.
+    """
+
+    def __init__(self, runner, config: CanaryConfig, *, tree_cache=None,
+                 logger: Optional[logging.Logger] = None):
+        if not isinstance(config, CanaryConfig):
+            raise TypeError(f"kv-canary: config must be a CanaryConfig, got {type(config).__name__}")
+        if not config.enabled:
+            raise ValueError("kv-canary: mode 'none' installs nothing (do not call install)")
+        if tuple(config.groups) != ("FULL",):
+            raise ValueError("kv-canary: the sglang-jax integration watches the FULL group only")
+        if config.token_check or config.write_input_assert:
+            raise ValueError("kv-canary: token_check and write_input_assert need oracle inputs the "
+                             "sglang-jax integration does not have")
+        if config.sweep_interval and tree_cache is None:
+            raise ValueError("kv-canary: sweep_interval > 0 needs the scheduler's tree_cache "
+                             "(install(..., tree_cache=scheduler.tree_cache))")
+        if config.sweep_interval and not hasattr(tree_cache, "root_node"):
+            raise ValueError("kv-canary: sweeps walk a RadixCache; this tree_cache is a "
+                             f"{type(tree_cache).__name__} (radix cache disabled?): use "
+                             "sweep_interval=0")
+        self.layout = runner_layout(runner)
+        self.runner = runner
+        self.config = config
+        self.tree_cache = tree_cache
+        self.logger = logger or LOGGER
+        self.num_slots = self.layout.geometry.num_slots
+        self._original = self._model = None          # taken by install()
+        self._step_fn = self._build_step()
+        self._sweep_fn = self._build_sweep()
+        self._pending_sweep = None                   # plans collected on the host, run by a step
+        self._sweep_lock = threading.Lock()
+        self.sweeps_from_wrapper = True              # False once a scheduler hook requests them
+        self.launch_hooks = []                       # f(schedule_batch), before each launch
+        self.step_hooks = []                         # f(forward_batch), before each step
+        self.launches = 0                            # batches the scheduler hook has seen
+        self.steps = self.sweeps = 0
+        self.warming = False                         # inside precompile: nothing is reported
+        self.state = None
+        self.monitor = None
+        self.reset()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def _endpoints(self, write_req_capacity: int, verify_capacity: int) -> CanaryEndpoints:
+        return CanaryEndpoints(self.config, num_slots=self.num_slots,
+                               write_req_capacity=max(1, int(write_req_capacity)),
+                               verify_capacity=max(1, int(verify_capacity)))
+
+    def reset(self) -> None:
+        """Fresh canary state (zero records, empty ring) and a fresh monitor; e.g. after
+        sglang-jax's warm-up, whose synthetic batches would otherwise leave records behind."""
+        # placed as the step's outputs are (replicated over the runner's mesh), so that the first
+        # step of each bucket compiles the same program as every later one
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        self.state = jax.device_put(self._endpoints(1, 1).init_state(),
+                                    NamedSharding(self.runner.mesh, PartitionSpec()))
+        self.monitor = Monitor.from_config(self.config, logger=self.logger)
+        self.steps = self.sweeps = self.launches = 0
+        with self._sweep_lock:
+            self._pending_sweep = None
+
+    def install(self) -> "SglangJaxCanary":
+        """Wrap the runner's ``jitted_run_model`` (again, after the engine re-ran
+        ``initialize_jit``, e.g. for new weights: the model's current weights are taken here)."""
+        if not self.installed:
+            self._original = self.runner.jitted_run_model
+            self._model = self.layout.split_model()
+            self.runner.jitted_run_model = self._run_model
+        return self
+
+    def uninstall(self) -> None:
+        """Put the runner's original ``jitted_run_model`` back."""
+        if self.installed:
+            self.runner.jitted_run_model = self._original
+
+    @property
+    def installed(self) -> bool:
+        """True while the runner's ``jitted_run_model`` is this canary's wrapper."""
+        return self.runner.jitted_run_model == self._run_model
+
+    def precompile(self, engine_precompile: Optional[Callable[[], None]] = None) -> None:
+        """Compile everything the request path runs, then start from a fresh state.
+
+        Args:
+          engine_precompile: the engine's own precompile (e.g. ``tp_worker.run_precompile``), run
+            with the canary installed so that the step is compiled for each of the engine's
+            batch and token buckets; None to compile the sweeps only. Its synthetic batches
+            report nothing and leave nothing behind.
+        """
+        self.install()
+        self.warming = True
+        try:
+            if engine_precompile is not None:
+                engine_precompile()
+            if self.config.sweep_interval:
+                cap = bucket_capacity(self.num_slots)
+                for c in (1 << k for k in range(DEFAULT_MIN_CAPACITY.bit_length() - 1,
+                                                cap.bit_length())):
+                    plans = build_group_sweep_plans(np.zeros((0, 3), np.int64), ("FULL",),
+                                                    min_capacity=c)
+                    self.state = self._sweep_fn(self.layout.kv0(), self.state, plans)
+            jax.block_until_ready(self.state)
+        finally:
+            self.warming = False
+            self.reset()
+
+    # -- the jitted functions -------------------------------------------------------------------
+    def _build_step(self):
+        from flax import nnx
+
+        mode = self.config.real_kv_hash_mode
+        layout = self.layout
+        page_size, aligned = layout.page_size, layout.aligned_segments
+
+        def step(model_def, model_state_def, model_state_leaves, forward_batch, kv, logits_metadata,
+                 cstate):
+            model = nnx.merge(model_def, jax.tree_util.tree_unflatten(model_state_def,
+                                                                      model_state_leaves))
+            ep = self._endpoints(forward_batch.seq_lens.shape[0], forward_batch.cache_loc.shape[0])
+            batch = page_table_batch(forward_batch, page_size=page_size, aligned=aligned)
+            cstate, ctx = ep.head(cstate, batch)
+            outputs, layers = layout.call_model(model, forward_batch, kv, logits_metadata)
+            sources = real_kv_sources(layers[0], mode) if mode else {}
+            cstate = ep.tail(cstate, ctx, {"FULL": sources})
+            return outputs, cstate, counter_snapshot(cstate)
+
+        return jax.jit(step, donate_argnames=("kv", "cstate"), static_argnames=("model_state_def",))
+
+    def _build_sweep(self):
+        mode = self.config.real_kv_hash_mode
+        ep = self._endpoints(1, 1)
+
+        def sweep(kv0, cstate, plans):
+            sources = real_kv_sources(kv0, mode) if mode else {}
+            return ep.sweep(cstate, plans, {"FULL": sources})
+
+        return jax.jit(sweep, donate_argnums=(1,))
+
+    # -- sweeps ---------------------------------------------------------------------------------
+    def request_sweep(self) -> int:
+        """Collect the chains of every slot the prefix cache holds, for the next step to verify
+        against the tail canaries (SWEEP tags, on that step's layer-0 KV). Call it where the radix
+        tree is consistent (the scheduler's thread, between batches); returns the slots collected."""
+        chains = radix_chains(self.tree_cache)
+        plans = build_group_sweep_plans(chains, ("FULL",))
+        with self._sweep_lock:
+            self._pending_sweep = plans
+        return int(chains.shape[0])
+
+    def before_launch(self, batch) -> None:
+        """The scheduler hook (``install_into_scheduler``): called with each ``ScheduleBatch``
+        before it is launched; requests a sweep every ``sweep_interval`` launches and runs the
+        ``launch_hooks``."""
+        self.launches += 1
+        si = self.config.sweep_interval
+        if si and self.launches % si == 0:
+            self.request_sweep()
+        for hook in self.launch_hooks:
+            hook(batch)
+
+    def _run_pending_sweep(self) -> None:
+        with self._sweep_lock:
+            plans, self._pending_sweep = self._pending_sweep, None
+        if plans is not None:
+            self.state = self._sweep_fn(self.layout.kv0(), self.state, plans)
+            self.sweeps += 1
+
+    def sweep_now(self) -> int:
+        """Collect and run a sweep at once (non-overlap use only); returns the slots swept."""
+        n = self.request_sweep()
+        self._run_pending_sweep()
+        return n
+
+    # -- per step -------------------------------------------------------------------------------
+    def _run_model(self, forward_batch, logits_metadata):
+        self.steps += 1
+        si = self.config.sweep_interval
+        if self.sweeps_from_wrapper and si and self.steps % si == 0 and not self.warming:
+            self.request_sweep()
+        self._run_pending_sweep()
+        if not self.warming:
+            for hook in self.step_hooks:
+                hook(forward_batch)
+        model_def, state_def, leaves = self._model
+        outputs, self.state, snapshot = self._step_fn(
+            model_def, state_def, leaves, forward_batch, self.layout.kv_argument(),
+            logits_metadata, self.state)
+        if self.warming:
+            return outputs
+        try:
+            self.monitor.step(self.state, snapshot=snapshot)
+        except BaseException:
+            # mode 'raise' (or a health failure): the step has donated the KV pool already, so
+            # hand the engine its new buffers before raising, as its own forward would have
+            self.layout.store_kv(outputs, forward_batch)
+            raise
+        return outputs
+
+    def flush(self):
+        """Report what the last step's readback holds (blocks on it); returns new violations."""
+        return self.monitor.flush()
+
+
+def install(model_runner, config: CanaryConfig, *, tree_cache=None,
+            logger: Optional[logging.Logger] = None) -> Optional[SglangJaxCanary]:
+    """Install the canary into a running sglang-jax ``ModelRunner`` (see the module docstring).
+
+    Args:
+      model_runner: ``sgl_jax.srt.model_executor.model_runner.ModelRunner`` (after it initialised).
+      config: the ``CanaryConfig`` (e.g. ``config_from_args``); mode ``'none'`` installs nothing.
+      tree_cache: the scheduler's ``RadixCache``; needed when ``config.sweep_interval > 0``.
+      logger: where reports go (default ``logging.getLogger('jax_kvcanary')``).
+
+    Returns:
+      The installed ``SglangJaxCanary`` (``uninstall()`` restores the runner), or None for mode
+      ``'none'``.
+
+    Raises:
+      TypeError, ValueError: ``kv-canary:`` messages for an unsupported runner or config.
+    """
+    if not isinstance(config, CanaryConfig):
+        raise TypeError(f"kv-canary: config must be a CanaryConfig, got {type(config).__name__}")
+    if not config.enabled:
+        return None
+    return SglangJaxCanary(model_runner, config, tree_cache=tree_cache, logger=logger).install()
+
+
+def install_into_scheduler(scheduler, config: CanaryConfig, **kw) -> Optional[SglangJaxCanary]:
+    """``install`` on an sglang-jax ``Scheduler``: its model runner and its ``tree_cache``, and a
+    hook on its ``run_batch`` that collects the prefix-cache sweeps in the scheduler's thread
+    (the overlap scheduler runs the forward in a thread of its own while this one prepares the
+    next batch). Call it after the engine's warm-up, or call ``precompile`` with the engine's
+    precompile. Returns None for mode ``'none'``."""
+    runner = scheduler.tp_worker.get_model_runner()
+    canary = install(runner, config, tree_cache=getattr(scheduler, "tree_cache", None), **kw)
+    if canary is None:
+        return None
+    canary.sweeps_from_wrapper = False
+    run_batch = scheduler.run_batch
+
+    def run_batch_with_canary(batch, *args, **kwargs):
+        canary.before_launch(batch)
+        return run_batch(batch, *args, **kwargs)
+
+    scheduler.run_batch = run_batch_with_canary
+    return canary

@@ -1,0 +1,196 @@
+"""Faults planted in a live sglang-jax server, to see the canary report them (a testing aid).
+
+``--kv-canary-inject KIND --kv-canary-inject-step N`` (``launch_server``) damages sglang-jax's
+own structures once, at the first batch from the ``N``-th on that has a target, and logs
+``kv-canary: injected KIND at step S: ...``. The report follows in the server log within two steps
+(upstream's ``kv_canary violation: ...`` line). Kinds:
+
+- ``req_to_token_swap``: two prefix entries of a request's ``req_to_token`` row swapped (scheduler
+  thread, before the batch's page table is built): attention reads them crosswise;
+  ``verify_position`` + ``verify_chain_hash`` at HEAD.
+- ``slot_double_free``: a slot of a running request's cached prefix put back at the head of the
+  allocator's free list; the next allocation takes it while the prefix still uses it:
+  ``verify_position`` + ``verify_chain_hash`` when the request reads its prefix again.
+- ``real_kv_used``: one byte of layer 0's K bytes of a slot a running request attends to flipped
+  (forward thread, before the step): ``verify_real_kv_hash`` at TAIL.
+- ``real_kv_unused_cache``: the same in a slot the prefix cache holds that no running request uses:
+  ``verify_real_kv_hash`` at SWEEP (needs ``--kv-canary-sweep-interval``).
+- ``wrong_position``: the position of a request's token fed to the forward off by one:
+  ``write_position`` at HEAD and TAIL.
+- ``cache_loc_off_by_one``: one entry of the step's page table (``forward_batch.cache_loc``) points
+  at the next slot: attention reads the wrong slot; ``verify_position`` at HEAD and TAIL.
+
+Scheduler-side kinds run in the scheduler's thread before a batch is launched (step = the batch's
+launch count); forward-side kinds run where the forward runs, right before the step (step = the
+canary's step count). After precompile both count from 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+import jax
+import numpy as np
+
+from .canary import LOGGER, radix_chains
+
+SCHEDULER_KINDS = ("req_to_token_swap", "slot_double_free", "real_kv_unused_cache")
+FORWARD_KINDS = ("real_kv_used", "wrong_position", "cache_loc_off_by_one")
+KINDS = SCHEDULER_KINDS + FORWARD_KINDS
+
+
+@dataclasses.dataclass(frozen=True)
+class InjectSpec:
+    """One fault: its ``kind`` (one of ``KINDS``) and the first ``step`` (>= 1) it may go in at."""
+
+    kind: str
+    step: int = 8
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kv-canary: --kv-canary-inject must be one of {', '.join(KINDS)}, "
+                             f"got {self.kind!r}")
+        if int(self.step) < 1:
+            raise ValueError(f"kv-canary: --kv-canary-inject-step must be >= 1, got {self.step}")
+
+
+def add_inject_args(parser) -> None:
+    """``--kv-canary-inject KIND`` and ``--kv-canary-inject-step N`` (a testing aid)."""
+    g = parser.add_argument_group("kv-canary fault injection (testing aid)")
+    g.add_argument("--kv-canary-inject", choices=KINDS, default=None, metavar="KIND",
+                   help=f"plant one fault in the live server: {', '.join(KINDS)}")
+    g.add_argument("--kv-canary-inject-step", type=int, default=8, metavar="N",
+                   help="at the first batch from the N-th on that has a target (default 8)")
+
+
+def spec_from_args(ns) -> Optional[InjectSpec]:
+    kind = getattr(ns, "kv_canary_inject", None)
+    return None if kind is None else InjectSpec(kind, int(getattr(ns, "kv_canary_inject_step", 8)))
+
+
+def _running(batch):
+    """``[(req, seq_len)]`` of the live requests of a ScheduleBatch, in batch order."""
+    out = []
+    for info in getattr(batch, "reqs_info", None) or [batch]:
+        reqs = getattr(info, "reqs", None) or []
+        lens = getattr(info, "seq_lens", None)
+        if lens is None:
+            continue
+        out.extend((r, int(n)) for r, n in zip(reqs, np.asarray(lens)))
+    return out
+
+
+def _flip_byte(layout, slot: int) -> None:
+    """XOR the first byte of ``slot``'s token row (K head 0) of layer 0's KV with 0xFF."""
+    kv0 = layout.kv0()
+    arr = np.array(kv0)
+    rows = arr.reshape(layout.geometry.num_slots, -1).view(np.uint8)
+    rows[slot, 0] ^= 0xFF
+    layout.set_kv0(jax.device_put(arr, kv0.sharding))
+
+
+def _replace(array, values):
+    return jax.device_put(np.asarray(values, dtype=array.dtype), array.sharding)
+
+
+class FaultInjector:
+    """Plants ``spec`` once into the server of ``canary`` (installed by ``install_into_scheduler``
+    on ``scheduler``): register ``before_launch`` and ``before_step`` as the canary's hooks."""
+
+    def __init__(self, spec: InjectSpec, canary, scheduler, logger: Optional[logging.Logger] = None):
+        if spec.kind == "real_kv_unused_cache" and not canary.config.sweep_interval:
+            raise ValueError("kv-canary: --kv-canary-inject real_kv_unused_cache needs "
+                             "--kv-canary-sweep-interval N > 0 (the fault is found by a sweep)")
+        self.spec = spec
+        self.canary = canary
+        self.scheduler = scheduler
+        self.logger = logger or LOGGER
+        self.done = False
+        self._queued_slot = None             # real_kv_unused_cache: chosen here, flipped there
+
+    def _log(self, step: int, what: str) -> None:
+        self.done = True
+        self.logger.warning("kv-canary: injected %s at step %d: %s", self.spec.kind, step, what)
+
+    # -- scheduler thread -------------------------------------------------------------------------
+    def before_launch(self, batch) -> None:
+        """Scheduler-side kinds, before ``batch`` is launched (its page table not yet built)."""
+        step = self.canary.launches
+        if self.done or self.spec.kind not in SCHEDULER_KINDS or step < self.spec.step:
+            return
+        if self._queued_slot is not None:
+            return
+        rtt = self.scheduler.req_to_token_pool.req_to_token
+        if self.spec.kind == "req_to_token_swap":
+            for req, n in _running(batch):
+                if n >= 3:
+                    row = req.req_pool_idx
+                    rtt[row, [0, 1]] = rtt[row, [1, 0]]
+                    self._log(step, f"req_to_token[{row}, 0:2] swapped (slots {rtt[row, 1]}, "
+                                    f"{rtt[row, 0]}), request {req.rid}")
+                    return
+        elif self.spec.kind == "slot_double_free":
+            alloc = self.scheduler.token_to_kv_pool_allocator
+            for req, n in _running(batch):
+                if n >= 3:
+                    slot = int(rtt[req.req_pool_idx, 0])
+                    if getattr(alloc, "free_slots", None) is not None:
+                        alloc.free_slots[0] = np.concatenate(
+                            [np.array([slot], alloc.free_slots[0].dtype), alloc.free_slots[0]])
+                    else:
+                        page = slot // alloc.page_size
+                        alloc.free_pages[0] = np.concatenate(
+                            [np.array([page], alloc.free_pages[0].dtype), alloc.free_pages[0]])
+                    self._log(step, f"slot {slot} (position 0 of request {req.rid}, in the prefix "
+                                    "cache) put back at the head of the free list")
+                    return
+        elif self.spec.kind == "real_kv_unused_cache":
+            used = set()
+            for req, n in _running(batch):
+                used.update(int(s) for s in rtt[req.req_pool_idx, :n])
+            for slot in radix_chains(self.canary.tree_cache)[:, 0]:
+                if int(slot) > 0 and int(slot) not in used:
+                    self._queued_slot = (step, int(slot))
+                    return
+
+    # -- forward thread -------------------------------------------------------------------------
+    def before_step(self, forward_batch) -> None:
+        """Forward-side kinds (and the queued KV flip), right before the canary's step."""
+        if self.done:
+            return
+        step = self.canary.steps
+        layout = self.canary.layout
+        if self._queued_slot is not None:
+            chosen, slot = self._queued_slot
+            _flip_byte(layout, slot)
+            self._log(chosen, f"flipped byte 0 of slot {slot} in layer 0's KV (cached by the "
+                              "prefix cache, used by no running request)")
+            return
+        if self.spec.kind not in FORWARD_KINDS or step < self.spec.step:
+            return
+        fb = forward_batch
+        seq = np.asarray(fb.seq_lens)
+        if seq.shape[0] == 0 or int(np.asarray(fb.req_pool_indices)[0]) < 0 or seq[0] < 3:
+            return                                        # batch row 0 has no prefix to damage
+        prefix = (seq[0] - 1 if fb.forward_mode.is_decode()
+                  else int(np.asarray(fb.extend_prefix_lens)[0]))
+        loc = np.array(fb.cache_loc)
+        if self.spec.kind == "real_kv_used":
+            if prefix < 1:
+                return                                    # position 0 is written by this step
+            _flip_byte(layout, int(loc[0]))
+            self._log(step, f"flipped byte 0 of slot {int(loc[0])} (position 0 of batch row 0) "
+                            "in layer 0's KV")
+        elif self.spec.kind == "wrong_position":
+            pos = np.array(fb.positions)
+            pos[0] += 1
+            fb.positions = _replace(fb.positions, pos)
+            self._log(step, f"position of the first token fed to the forward set to {pos[0]} "
+                            f"(was {pos[0] - 1})")
+        elif self.spec.kind == "cache_loc_off_by_one":
+            loc[1] += 1
+            fb.cache_loc = _replace(fb.cache_loc, loc)
+            self._log(step, f"cache_loc entry of batch row 0, position 1 set to slot {loc[1]} "
+                            f"(was {loc[1] - 1})")

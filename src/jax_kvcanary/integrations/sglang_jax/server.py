@@ -1,0 +1,195 @@
+"""The canary in sglang-jax's own server: refusals before start, and the scheduler it runs.
+
+``refusals(server_args, config, inject)`` lists the settings the canary cannot cover (checked in
+the launching process, before anything starts). ``guard_engine(config, inject)`` makes sglang-jax's
+``launch_server`` start every scheduler with the canary:
+
+- the scheduler process (multiprocessing ``spawn``): ``engine.run_scheduler_process`` becomes a
+  ``functools.partial`` of ``run_guarded_scheduler_process`` here, which pickles by reference, so
+  the child imports this module, swaps in ``GuardedScheduler`` and calls sglang-jax's own
+  ``run_scheduler_process``;
+- ``--enable-single-process``: the scheduler module's ``Scheduler`` is swapped in this process.
+
+``GuardedScheduler`` is sglang-jax's ``Scheduler`` whose construction defers the engine's
+precompile until the canary is installed, then runs it through ``SglangJaxCanary.precompile``, so
+the canary's step is compiled for the engine's buckets before the first request.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import List, Optional
+
+from ...runtime.config import CanaryConfig
+from .canary import LOGGER, install_into_scheduler
+from .inject import FaultInjector, InjectSpec
+from .layout import ATTENTION_BACKENDS
+
+
+def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = None,
+             environ=os.environ) -> List[str]:
+    """The ``kv-canary:`` lines of every setting the canary cannot cover (empty: it can start).
+
+    Args:
+      server_args: sglang-jax's parsed ``ServerArgs``.
+      config: the canary's ``CanaryConfig`` (mode ``'none'`` refuses nothing).
+      inject: the fault to plant, or None.
+      environ: the environment the server will run with.
+    """
+    if not config.enabled:
+        return []
+    out = []
+
+    def refuse(setting, why, fix):
+        out.append(f"kv-canary: {setting} is not supported: {why}; {fix}")
+
+    off = "or run with --kv-canary none"
+    a = server_args
+    if int(a.tp_size) != 1:
+        refuse(f"--tp-size {a.tp_size}", "the fused KV buffer is sharded over heads",
+               f"run with --tp-size 1, {off}")
+    if int(a.dp_size) != 1:
+        refuse(f"--dp-size {a.dp_size}", "the page table is split per data-parallel rank",
+               f"run with --dp-size 1, {off}")
+    if a.speculative_algorithm:
+        refuse(f"--speculative-algorithm {a.speculative_algorithm}",
+               "draft and verify steps are not wrapped", f"drop it, {off}")
+    if a.enable_lora:
+        refuse("--enable-lora", "LoRA batches change the model call the canary wraps",
+               f"drop it, {off}")
+    if getattr(a, "multimodal", False):
+        refuse("--multimodal", "the multimodal server has schedulers of its own", off)
+    if getattr(a, "disaggregation_mode", "null") not in (None, "null"):
+        refuse(f"--disaggregation-mode {a.disaggregation_mode}",
+               "KV transferred between engines is not checked here", off)
+    if getattr(a, "pd_disaggregation", ""):
+        refuse(f"--pd-disaggregation {a.pd_disaggregation}",
+               "its fused forward_and_sample path bypasses the wrapped model call", off)
+    if getattr(a, "hicache_storage", "disable") not in (None, "disable"):
+        refuse(f"--hicache-storage {a.hicache_storage}",
+               "KV the engine offloads to the host is not checked", f"drop it, {off}")
+    if a.attention_backend not in ATTENTION_BACKENDS:
+        refuse(f"--attention-backend {a.attention_backend}",
+               "the canary reads the page table as the native and fa backends do",
+               f"use --attention-backend native, {off}")
+    if environ.get("SGLANG_JAX_AOT_DISPATCH", "") in ("auto", "1"):
+        refuse("SGLANG_JAX_AOT_DISPATCH=" + environ["SGLANG_JAX_AOT_DISPATCH"],
+               "the AOT dispatcher calls the model without the wrapped jitted_run_model",
+               f"unset it, {off}")
+    if config.sweep_interval and a.disable_radix_cache:
+        refuse(f"--kv-canary-sweep-interval {config.sweep_interval} with --disable-radix-cache",
+               "sweeps walk the radix cache", "use --kv-canary-sweep-interval 0")
+    if config.sweep_interval and getattr(a, "enable_unified_radix_tree", False):
+        refuse(f"--kv-canary-sweep-interval {config.sweep_interval} with "
+               "--enable-unified-radix-tree", "sweeps walk the plain radix cache",
+               "use --kv-canary-sweep-interval 0")
+    if inject is not None and inject.kind == "real_kv_unused_cache" and not config.sweep_interval:
+        refuse("--kv-canary-inject real_kv_unused_cache without sweeps",
+               "that fault is found by a sweep", "add --kv-canary-sweep-interval N")
+    return out
+
+
+def model_refusals(server_args) -> List[str]:
+    """Refusals that need the model's config (read from ``--model-path``; nothing is loaded)."""
+    from sgl_jax.srt.configs.model_config import AttentionArch, ModelConfig
+
+    try:
+        cfg = ModelConfig.from_server_args(server_args)
+    except Exception:  # the stock server reports a model it cannot read
+        return []
+    if cfg.attention_arch == AttentionArch.MLA:
+        return ["kv-canary: MLA attention (this model's KV layout) is not supported; run with "
+                "--kv-canary none"]
+    return []
+
+
+# -- the scheduler ----------------------------------------------------------------------------------
+def engine_precompile(scheduler) -> None:
+    """sglang-jax's own precompile, as ``Scheduler.__init__`` runs it."""
+    if getattr(scheduler, "pd", None):
+        return
+    spec = getattr(scheduler, "spec_algorithm", None)
+    if spec is None or spec.is_none():
+        scheduler.tp_worker.run_precompile()
+    else:
+        scheduler.draft_worker.run_spec_decode_precompile()
+    if getattr(scheduler.tree_cache, "hicache_enabled", False):
+        scheduler.tree_cache.precompile_hicache_transfers()
+
+
+def attach(scheduler, config: CanaryConfig, inject: Optional[InjectSpec], precompile: bool,
+           logger: Optional[logging.Logger] = None):
+    """Install the canary into a constructed scheduler, then run the engine's precompile with it
+    (when ``precompile``). A failure to install is logged (the server then runs without the
+    canary) rather than raised: the settings it cannot cover were refused before start."""
+    logger = logger or LOGGER
+    try:
+        canary = install_into_scheduler(scheduler, config, logger=logger)
+        if inject is not None:
+            injector = FaultInjector(inject, canary, scheduler, logger=logger)
+            canary.launch_hooks.append(injector.before_launch)
+            canary.step_hooks.append(injector.before_step)
+    except (TypeError, ValueError) as e:
+        logger.error("%s; this server runs WITHOUT the canary", e)
+        if precompile:
+            engine_precompile(scheduler)
+        return None
+    canary.precompile(functools.partial(engine_precompile, scheduler) if precompile else None)
+    logger.info("kv-canary: installed (mode=%s, real data=%s, sweep interval=%d, %s runner, "
+                "%s attention, page size %d)%s", config.mode, config.real_kv_hash_mode.name.lower(),
+                config.sweep_interval, type(canary.layout).__name__, canary.layout.attention_backend,
+                canary.layout.page_size, f"; fault to inject: {inject.kind} from step {inject.step}"
+                if inject else "")
+    return canary
+
+
+def guarded_scheduler_class(config: CanaryConfig, inject: Optional[InjectSpec]):
+    """A subclass of the scheduler module's current ``Scheduler`` that installs the canary."""
+    from sgl_jax.srt.managers import scheduler as sched
+
+    base = sched.Scheduler
+
+    class GuardedScheduler(base):
+        """sglang-jax's ``Scheduler`` with the canary installed before its precompile."""
+
+        def __init__(self, server_args, *args, **kwargs):
+            precompile = not server_args.disable_precompile
+            server_args.disable_precompile = True           # run below, with the canary in
+            try:
+                super().__init__(server_args, *args, **kwargs)
+            finally:
+                server_args.disable_precompile = not precompile
+            self.kv_canary = attach(self, config, inject, precompile)
+
+    GuardedScheduler.__qualname__ = GuardedScheduler.__name__ = base.__name__
+    return GuardedScheduler
+
+
+def use_guarded_scheduler(config: CanaryConfig, inject: Optional[InjectSpec]) -> None:
+    """Swap the scheduler module's ``Scheduler`` for the guarded one (in this process)."""
+    from sgl_jax.srt.managers import scheduler as sched
+
+    if not getattr(sched.Scheduler, "_kv_canary_guarded", False):
+        sched.Scheduler = guarded_scheduler_class(config, inject)
+        sched.Scheduler._kv_canary_guarded = True
+
+
+def run_guarded_scheduler_process(config: CanaryConfig, inject: Optional[InjectSpec], *args,
+                                  **kwargs):
+    """The scheduler process's entry point: sglang-jax's ``run_scheduler_process`` with the
+    guarded ``Scheduler`` (the child imports this module to unpickle it)."""
+    from sgl_jax.srt.managers import scheduler as sched
+
+    use_guarded_scheduler(config, inject)
+    return sched.run_scheduler_process(*args, **kwargs)
+
+
+def guard_engine(config: CanaryConfig, inject: Optional[InjectSpec] = None) -> None:
+    """Make sglang-jax's ``launch_server`` start its scheduler with the canary (both in a spawned
+    scheduler process and with ``--enable-single-process``)."""
+    from sgl_jax.srt.entrypoints import engine
+
+    engine.run_scheduler_process = functools.partial(run_guarded_scheduler_process, config, inject)
+    use_guarded_scheduler(config, inject)

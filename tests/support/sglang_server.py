@@ -1,0 +1,151 @@
+"""A real sglang-jax HTTP server started for a test, and a small HTTP client for it.
+
+``Server(args)`` starts ``python -m jax_kvcanary.integrations.sglang_jax.launch_server ARGS`` (or any
+module) on 127.0.0.1 in a process group of its own, waits for ``/health`` (bounded), and stops it by
+that process group (SIGTERM, then SIGKILL): never by name. Its log is a file the test can read.
+The client (``generate``, ``completions``) uses ``urllib``: requests go to that server only, each
+with a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import List, Optional, Sequence
+
+LAUNCHER = "jax_kvcanary.integrations.sglang_jax.launch_server"
+REPORT_RE = re.compile(r"kv_canary violation: launch_tag=(\S+) fail_reason=(\S+) slot_idx=(-?\d+)")
+PUMPED_RE = re.compile(r"step_when_pumped=(\d+)")
+INJECTED_RE = re.compile(r"kv-canary: injected (\S+) at step (\d+)")
+
+#: a tiny engine on the CPU: small pool, few buckets (a short precompile), chunks of 64 tokens
+TINY_ENGINE_ARGS = (
+    "--device", "cpu", "--attention-backend", "native", "--skip-server-warmup",
+    "--max-total-tokens", "2048", "--max-running-requests", "8", "--dtype", "float32",
+    "--mem-fraction-static", "0.1", "--precompile-bs-paddings", "1", "4", "8",
+    "--precompile-token-paddings", "64", "128", "--chunked-prefill-size", "64",
+    "--random-seed", "42", "--context-length", "1024")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One server process. ``Server(args, log_path).start()``; use as a context manager.
+
+    Attributes: ``port``, ``url``, ``proc``, ``log_path``, ``start_seconds`` (launch to healthy).
+    """
+
+    def __init__(self, args: Sequence[str], log_path: str, *, module: str = LAUNCHER,
+                 env: Optional[dict] = None, start_timeout: float = 300.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", module, *args, "--host", "127.0.0.1",
+                     "--port", str(self.port)]
+        self.log_path = log_path
+        self.env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **(env or {}))
+        self.start_timeout = start_timeout
+        self.proc = None
+        self.start_seconds = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> "Server":
+        t0 = time.monotonic()
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                                         env=self.env, start_new_session=True)
+        while time.monotonic() - t0 < self.start_timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} before it was "
+                                   f"healthy:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        self.start_seconds = time.monotonic() - t0
+                        return self
+            except (urllib.error.URLError, ConnectionError, socket.timeout):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {self.start_timeout} s:\n{self.log_tail()}")
+
+    def wait(self, timeout: float) -> Optional[int]:
+        """The exit code, or None if it still runs after ``timeout`` seconds."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group, SIGKILL after 15 s; reaps the process."""
+        if self.proc is None:
+            return
+        for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            if self.wait(grace) is not None:
+                break
+        # the group may outlive its leader (children that ignored SIGTERM)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    # -- the log --------------------------------------------------------------------------------
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log().splitlines()[-n:])
+
+    def reports(self) -> List[tuple]:
+        """``(tag, reasons, slot, step_when_pumped)`` of every violation report in the log."""
+        text = self.log()
+        out = []
+        for m in REPORT_RE.finditer(text):
+            pumped = PUMPED_RE.search(text, m.end())
+            out.append((m.group(1), m.group(2), int(m.group(3)),
+                        int(pumped.group(1)) if pumped else None))
+        return out
+
+    def injected(self) -> Optional[tuple]:
+        """``(kind, step)`` of the fault the launcher planted, or None."""
+        m = INJECTED_RE.search(self.log())
+        return None if m is None else (m.group(1), int(m.group(2)))
+
+    # -- HTTP -----------------------------------------------------------------------------------
+    def post(self, path: str, body: dict, timeout: float = 120.0):
+        req = urllib.request.Request(self.url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.load(r)
+
+    def generate(self, text, max_new_tokens: int = 12, **kw):
+        """``/generate`` (greedy): a dict, or a list of dicts for a list of prompts."""
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0, **kw}
+        return self.post("/generate", {"text": text, "sampling_params": params})
+
+    def completions(self, prompt: str, max_tokens: int = 12):
+        """``/v1/completions`` (greedy): the response dict."""
+        return self.post("/v1/completions", {"model": "tiny", "prompt": prompt,
+                                             "max_tokens": max_tokens, "temperature": 0})
