@@ -555,8 +555,11 @@ KVC_HD int64_t write_request(const WriteArgs& a, int64_t r, int64_t lo, int64_t 
 // ---- PLAN: one batch row and its entries (format.md §9.3) -------------------------------------------
 struct PlanArgs {
   IndexView req_pool_indices, prefix_lens, extend_seq_lens;
-  IndexView req_to_token;  // [R, L]
-  int64_t R, L;
+  IndexView req_to_token;  // [R, L]; the flat page table [N] when has_row_starts
+  int64_t R, L;            // the 2-D table's shape (unused when has_row_starts)
+  bool has_row_starts;
+  IndexView row_starts;  // [bs]: batch row r reads req_to_token[row_starts[r] + pos]
+  int64_t N;             // length of the flat table (has_row_starts only)
   bool has_lut;
   IndexView lut;  // [lut_len]
   int64_t lut_len;
@@ -580,9 +583,15 @@ struct PlanEntry {
   int64_t slot, token, position, prev;
 };
 
-// req_to_token[rp, pos], or -1 outside the table.
-KVC_HD int64_t plan_rt(const PlanArgs& a, int64_t rp, int64_t pos) {
-  if (rp < 0 || rp >= a.R || pos < 0 || pos >= a.L) return -1;
+// rt(r, rp, pos): the slot of position pos of batch row r, or -1 outside the table. The 2-D table is
+// read at [rp, pos]; the flat one (has_row_starts) at row_starts[r] + pos, a wrapping int64 add.
+KVC_HD int64_t plan_rt(const PlanArgs& a, int64_t r, int64_t rp, int64_t pos) {
+  if (pos < 0) return -1;
+  if (a.has_row_starts) {
+    const int64_t idx = add_wrap(a.row_starts[r], pos);
+    return idx >= 0 && idx < a.N ? a.req_to_token[idx] : -1;
+  }
+  if (rp < 0 || rp >= a.R || pos >= a.L) return -1;
   return a.req_to_token[rp * a.L + pos];
 }
 
@@ -609,15 +618,15 @@ KVC_HD PlanRow plan_row(const PlanArgs& a, int64_t r) {
   const int64_t span = sub_wrap(P, row.window_start);
   row.vlen = live && span > 0 ? span : 0;
   row.wlen = live && E > 0 ? E : 0;
-  row.seed = (live && P > 0 && row.wlen > 0) ? plan_translate(a, plan_rt(a, row.rp, sub_wrap(P, 1))) : -1;
+  row.seed = (live && P > 0 && row.wlen > 0) ? plan_translate(a, plan_rt(a, r, row.rp, sub_wrap(P, 1))) : -1;
   return row;
 }
 
 KVC_HD PlanEntry plan_entry(const PlanArgs& a, const PlanRow& row, int64_t r, int64_t j) {
   const int64_t pos = add_wrap(row.window_start, j);
   PlanEntry e;
-  e.slot = plan_translate(a, plan_rt(a, row.rp, pos));
-  e.prev = pos > 0 ? plan_translate(a, plan_rt(a, row.rp, sub_wrap(pos, 1))) : -1;
+  e.slot = plan_translate(a, plan_rt(a, r, row.rp, pos));
+  e.prev = pos > 0 ? plan_translate(a, plan_rt(a, r, row.rp, sub_wrap(pos, 1))) : -1;
   e.token = plan_pool_token(a, r, row.rp, add_wrap(pos, a.token_offset));
   e.position = pos;
   return e;

@@ -247,10 +247,11 @@ ffi::Error write_handler(typename P::Ctx ctx, U8Array canary, U8Array ring, I32S
 }
 
 // ---- PLAN ----------------------------------------------------------------------------------------
-// kvcanary_plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, lut, pool, valid_lens)
+// kvcanary_plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, lut, pool, valid_lens,
+//               row_starts)
 //   -> (slot_indices, expected_tokens, expected_positions, prev_slot_indices, num_valid, enable,
 //       offsets, seed_slot_indices, num_valid_reqs, scratch)   all int32 but scratch
-//   attrs: window:i64, token_offset:i64, has_lut:bool, has_pool:bool
+//   attrs: window:i64, token_offset:i64, has_lut:bool, has_pool:bool, has_row_starts:bool
 template <class P>
 auto plan_binding() {
   return ffi::Ffi::Bind()
@@ -262,6 +263,7 @@ auto plan_binding() {
       .template Arg<ffi::AnyBuffer>()  // full_to_swa_index_mapping (length 0 without one)
       .template Arg<ffi::AnyBuffer>()  // req_to_verify_expected_tokens (0 x 0 without one)
       .template Arg<ffi::AnyBuffer>()  // req_to_verify_expected_tokens_valid_lens
+      .template Arg<ffi::AnyBuffer>()  // row_starts (length 0 without them)
       .template Ret<ffi::Buffer<ffi::S32, 1>>()
       .template Ret<ffi::Buffer<ffi::S32, 1>>()
       .template Ret<ffi::Buffer<ffi::S32, 1>>()
@@ -275,23 +277,33 @@ auto plan_binding() {
       .template Attr<int64_t>("window")
       .template Attr<int64_t>("token_offset")
       .template Attr<bool>("has_lut")
-      .template Attr<bool>("has_pool");
+      .template Attr<bool>("has_pool")
+      .template Attr<bool>("has_row_starts");
 }
 
 template <class P>
 ffi::Error plan_handler(typename P::Ctx ctx, ffi::AnyBuffer rpi, ffi::AnyBuffer prefix, ffi::AnyBuffer extend,
                         ffi::AnyBuffer r2t, ffi::AnyBuffer lut, ffi::AnyBuffer pool, ffi::AnyBuffer valid_lens,
-                        I32VectorOut slots, I32VectorOut tokens, I32VectorOut positions, I32VectorOut prevs,
+                        ffi::AnyBuffer row_starts, I32VectorOut slots, I32VectorOut tokens, I32VectorOut positions, I32VectorOut prevs,
                         I32ScalarOut num_valid, I32ScalarOut enable, I32VectorOut offsets, I32VectorOut seeds,
                         I32ScalarOut num_valid_reqs, ScratchOut scratch, int64_t window, int64_t token_offset,
-                        bool has_lut, bool has_pool) {
+                        bool has_lut, bool has_pool, bool has_row_starts) {
+  const int64_t vcap = static_cast<int64_t>(slots->element_count());
+  const int64_t wcap = static_cast<int64_t>(seeds->element_count());
+  const int64_t bs = dim_or_zero(rpi, 0) < wcap ? dim_or_zero(rpi, 0) : wcap;  // never index past the outputs
+  const size_t r2t_rank = r2t.dimensions().size();
   PlanArgs a{};
   a.req_pool_indices = index_view(rpi);
   a.prefix_lens = index_view(prefix);
   a.extend_seq_lens = index_view(extend);
   a.req_to_token = index_view(r2t);
-  a.R = dim_or_zero(r2t, 0);
-  a.L = dim_or_zero(r2t, 1);
+  // The flat table is honoured only with a 1-D table and a start for every planned row; the 2-D
+  // shape only from a 2-D table. Anything else (never produced by the Python checks) reads nothing.
+  a.has_row_starts = has_row_starts && r2t_rank == 1 && dim_or_zero(row_starts, 0) >= bs;
+  a.row_starts = index_view(row_starts);
+  a.N = a.has_row_starts ? dim_or_zero(r2t, 0) : 0;
+  a.R = r2t_rank == 2 ? dim_or_zero(r2t, 0) : 0;
+  a.L = r2t_rank == 2 ? dim_or_zero(r2t, 1) : 0;
   a.has_lut = has_lut && dim_or_zero(lut, 0) > 0;
   a.lut = index_view(lut);
   a.lut_len = dim_or_zero(lut, 0);
@@ -302,9 +314,6 @@ ffi::Error plan_handler(typename P::Ctx ctx, ffi::AnyBuffer rpi, ffi::AnyBuffer 
   a.valid_lens = index_view(valid_lens);
   a.window = window;
   a.token_offset = token_offset;
-  const int64_t vcap = static_cast<int64_t>(slots->element_count());
-  const int64_t wcap = static_cast<int64_t>(seeds->element_count());
-  const int64_t bs = dim_or_zero(rpi, 0) < wcap ? dim_or_zero(rpi, 0) : wcap;  // never index past the outputs
   const PlanOut out{slots->typed_data(),    tokens->typed_data(),    positions->typed_data(),
                     prevs->typed_data(),    num_valid->typed_data(), enable->typed_data(),
                     offsets->typed_data(),  seeds->typed_data(),     num_valid_reqs->typed_data()};

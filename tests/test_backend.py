@@ -102,6 +102,7 @@ def test_lowering_for_a_platform_without_handlers_uses_the_pure_jax_backend():
 @pytest.mark.parametrize("op,config", [("write", "w3_i32_partial"), ("write", "w2_i64_none_srcs"),
                                        ("verify", "v8_i32_rows"), ("verify", "v6_i64_partial_nosrc"),
                                        ("plan", "p4_i32_swa"), ("plan", "p2_i64_pool"),
+                                       ("plan", "p9d_i32_rows_swa_pool"), ("plan", "p9b_i64_rows_pool_lut"),
                                        ("scatter_req_token_ids", "s1_i32"),
                                        ("scatter_req_token_ids", "s8_i64_into_i32")])
 def test_vmap_is_one_launch_per_batch_element(op, config, impl):
@@ -125,7 +126,7 @@ def test_vmap_is_one_launch_per_batch_element(op, config, impl):
 
 @needs_cpu_module
 @pytest.mark.parametrize("op,config", [("write", "w4_i32_all3"), ("verify", "v8_i32_rows"), ("plan", "p3_i32_lut_nowin"),
-                                       ("scatter_req_token_ids", "s4_i32_into_i64")])
+                                       ("plan", "p9c_mixed_rows_swa"), ("scatter_req_token_ids", "s4_i32_into_i64")])
 @pytest.mark.parametrize("jit", [False, True])
 def test_default_impl_matches_reference(op, config, jit):
     case = make_case(op, config, 5)

@@ -345,6 +345,29 @@ PLAN_CASES = [
     (dict(req_to_token=jnp.zeros((4, 16), jnp.uint32)), TypeError,
      "kv-canary: req_to_token must have dtype int32 or int64, got uint32"),
     (dict(req_to_token=jnp.zeros(16, jnp.int32)), ValueError, "kv-canary: req_to_token must be 2-D, got shape (16,)"),
+    (dict(row_starts=i32(0, 16)), ValueError,
+     "kv-canary: req_to_token must be 1-D when row_starts is given, got shape (4, 16)"),
+    (dict(row_starts=i32(0), req_to_token=jnp.zeros(64, jnp.int32)), ValueError,
+     "kv-canary: row_starts length must be 2, got 1"),
+    (dict(row_starts=[0, 16], req_to_token=jnp.zeros(64, jnp.int32)), TypeError,
+     "kv-canary: row_starts must be a jax.Array, got list"),
+    (dict(row_starts=jnp.zeros(2, jnp.uint32), req_to_token=jnp.zeros(64, jnp.int32)), TypeError,
+     "kv-canary: row_starts must have dtype int32 or int64, got uint32"),
+    (dict(row_starts=jnp.zeros((2, 1), jnp.int32), req_to_token=jnp.zeros(64, jnp.int32)), ValueError,
+     "kv-canary: row_starts must be 1-D, got shape (2, 1)"),
+    (dict(row_starts=i32(0), req_to_token=jnp.zeros((4, 16), jnp.int32)), ValueError,  # row_starts first
+     "kv-canary: row_starts length must be 2, got 1"),
+    (dict(row_starts=i32(0, 16), req_to_token=jnp.zeros(64, jnp.float32)), TypeError,
+     "kv-canary: req_to_token must have dtype int32 or int64, got float32"),
+    (dict(row_starts=i32(0, 16), req_to_token=None), TypeError,
+     "kv-canary: req_to_token must be a jax.Array, got NoneType"),
+    (dict(row_starts=i32(0, 16), req_to_token=jnp.zeros((1, 4, 16), jnp.int32)), ValueError,
+     "kv-canary: req_to_token must be 1-D when row_starts is given, got shape (1, 4, 16)"),
+    (dict(row_starts=i32(0, 16), req_to_token=jnp.zeros(64, jnp.int32), write_req_capacity=1), ValueError,
+     "kv-canary: bs=2 exceeds write_req_capacity=1"),  # step 8 before step 9
+    (dict(row_starts=i32(0, 16), req_to_token=jnp.zeros(64, jnp.int32),
+          full_to_swa_index_mapping=jnp.zeros(0, jnp.int32)), ValueError,
+     "kv-canary: full_to_swa_index_mapping length must be >= 1, got 0"),  # step 10 after step 9
     (dict(full_to_swa_index_mapping=jnp.zeros(0, jnp.int32)), ValueError,
      "kv-canary: full_to_swa_index_mapping length must be >= 1, got 0"),
     (dict(full_to_swa_index_mapping=jnp.zeros((2, 2), jnp.int32)), ValueError,
@@ -371,6 +394,15 @@ def test_plan_allows_empty_batch_and_zero_sized_table():
     vplan, wplan = plan(req_pool_indices=i32(), prefix_lens=i32(), extend_seq_lens=i32(),
                         req_to_token=jnp.zeros((0, 0), jnp.int32))
     assert int(vplan.num_valid[0]) == 0 and int(wplan.num_valid_reqs[0]) == 0
+
+
+def test_plan_row_starts_allows_empty_batch_and_empty_table():
+    vplan, wplan = plan(req_pool_indices=i32(), prefix_lens=i32(), extend_seq_lens=i32(),
+                        req_to_token=jnp.zeros(0, jnp.int32), row_starts=i32())
+    assert int(vplan.num_valid[0]) == 0 and int(wplan.num_valid_reqs[0]) == 0
+    vplan, wplan = plan(req_to_token=jnp.zeros(0, jnp.int32), row_starts=i32(5, -7))
+    assert np.asarray(vplan.slot_indices)[:1].tolist() == [-1] and np.asarray(wplan.seed_slot_indices).tolist() == [
+        -1, -1, 0, 0]
 
 
 # ---- scatter (format.md §9.5) ------------------------------------------------------------------------

@@ -83,8 +83,8 @@ _SIGS = {
     "kvc_emu_verify": [_P, _I64, _I64, _P, _I64, _P, _P, _P] + [_P, _I] * 4 + [_I64, _P, _P, _I, _I64] + _SRC_ARGS,
     "kvc_emu_write": [_P, _I64, _I64, _P, _I64, _P, _P, _P, _P, _P, _I, _P, _I, _I64, _P, _P, _I, _P, _I, _P, _I,
                       _I64, _I, _P, _I, _P, _I, _I64] + _SRC_ARGS,
-    "kvc_emu_plan": [_P, _I, _P, _I, _P, _I, _I64, _P, _I, _I64, _I64, _I, _P, _I, _I64, _I, _P, _I, _I64, _I64,
-                     _P, _I, _I64, _I64, _I64, _I64] + [_P] * 9,
+    "kvc_emu_plan": [_P, _I, _P, _I, _P, _I, _I64, _P, _I, _I64, _I64, _I, _P, _I, _I64, _I, _P, _I, _I64, _I,
+                     _P, _I, _I64, _I64, _P, _I, _I64, _I64, _I64, _I64] + [_P] * 9,
     "kvc_emu_scatter": [_P, _I, _I64, _I64, _P, _I, _I64, _P, _I, _P, _I, _I64],
 }
 
@@ -177,10 +177,13 @@ class Emu:
     def plan(self, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify_capacity,
              write_req_capacity, swa_window_size=0, full_to_swa_index_mapping=None,
              req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
-             kv_token_id_vs_position_offset=0):
+             kv_token_id_vs_position_offset=0, row_starts=None):
         vc, wc = int(verify_capacity), int(write_req_capacity)
         bs = np.asarray(req_pool_indices).shape[0]
         r2t = np.asarray(req_to_token)
+        has_rs = row_starts is not None
+        starts = np.asarray(row_starts) if has_rs else np.zeros((0,), np.int32)
+        R, L = (0, 0) if has_rs else r2t.shape  # as the FFI handler: a 1-D table has no [R, L]
         has_lut = full_to_swa_index_mapping is not None
         has_pool = req_to_verify_expected_tokens is not None
         lut = np.asarray(full_to_swa_index_mapping) if has_lut else np.zeros((0,), np.int32)
@@ -188,7 +191,8 @@ class Emu:
         vl = np.asarray(req_to_verify_expected_tokens_valid_lens) if has_pool else np.zeros((0,), np.int32)
         outs = [np.full(n, 0x5A5A5A5A, np.int32) for n in (vc, vc, vc, vc, 1, 1, wc + 1, wc, 1)]
         args = [*self._idx(req_pool_indices), *self._idx(prefix_lens), *self._idx(extend_seq_lens), bs,
-                *self._idx(r2t.reshape(-1)), r2t.shape[0], r2t.shape[1], int(has_lut), *self._idx(lut),
+                *self._idx(r2t.reshape(-1)), R, L, int(has_rs), *self._idx(starts), r2t.shape[0] if has_rs else 0,
+                int(has_lut), *self._idx(lut),
                 lut.shape[0], int(has_pool), *self._idx(pool.reshape(-1)), pool.shape[0], pool.shape[1],
                 *self._idx(vl), int(swa_window_size), int(kv_token_id_vs_position_offset), vc, wc]
         args += [self._p(o) for o in outs]

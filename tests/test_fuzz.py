@@ -5,7 +5,8 @@ Each case draws adversarial values: negative and huge slots, seeds, predecessors
 req_to_token and pool values; non-monotonic and overlong offsets; negative and huge ``num_valid`` /
 ``num_valid_reqs`` / ``enable``; prefix lengths past the table; ``valid_lens`` past the pool; rings of
 capacity 1 and ``write_index`` near saturation or negative; canary buffers of random bytes; real-KV
-sources with too few (or zero) rows for a slot. A share of every case is well formed (valid chains,
+sources with too few (or zero) rows for a slot; plan ``row_starts`` before, across the end of and past
+a flat table, and near the integer limits (sums that wrap). A share of every case is well formed (valid chains,
 in-range slots) so that the passing paths are exercised too. For each case:
 
 * every output byte of both backends equals the reference (``ffi`` and ``xla`` run jitted; shapes and
@@ -191,6 +192,14 @@ PLAN_CLASSES = {
     "p_empty_table": dict(bs=2, R=2, L=0, Vc=4, Wc=2, W=0, lut=0, pool=(0, 3), koff=0),
 }
 
+# plan with row_starts: req_to_token is a flat page table of N slots; R bounds req_pool_indices (and
+# the pool rows), L the prefix lengths.
+PLAN_FLAT_CLASSES = {
+    "f_plain": dict(bs=4, R=4, L=8, N=24, Vc=16, Wc=5, W=0, lut=0, pool=None, koff=0),
+    "f_swa_lut_pool": dict(bs=3, R=3, L=8, N=20, Vc=10, Wc=4, W=3, lut=20, pool=(3, 9), koff=1),
+    "f_empty_table": dict(bs=2, R=2, L=4, N=0, Vc=4, Wc=2, W=0, lut=0, pool=(2, 3), koff=0),
+}
+
 SCATTER_CLASSES = {
     "s_i32": dict(pool=np.int32, Rp=4, Cp=6, bs=3, total=10),
     "s_wide_pool": dict(pool=np.int64 if X64 else np.int32, Rp=3, Cp=4, bs=5, total=7),
@@ -298,6 +307,35 @@ def plan_case(cls, seed):
     return (g.idx(rps), g.idx(P), g.idx(E), g.idx(table).reshape(R, L)), kwargs
 
 
+def plan_flat_case(cls, seed):
+    c = PLAN_FLAT_CLASSES[cls]
+    g = Gen(4, sorted(PLAN_FLAT_CLASSES).index(cls), seed)
+    bs, R, L, N, S = c["bs"], c["R"], c["L"], c["N"], 40
+    table = [g.int(0, S - 1) if g.p(0.8) else g.pick(-1, S) for _ in range(N)]
+    rps = [g.int(0, R - 1) if g.p(0.75) else g.pick(-1, R) for _ in range(bs)]
+    P = [g.int(0, L) if g.p(0.7) else g.pick(-1, L + 2) for _ in range(bs)]
+    E = [g.int(0, 4) if g.p(0.7) else g.pick(-1, 5) for _ in range(bs)]
+    starts, cursor = [], 0
+    for p in P:  # segments one after the other, or anything (negative, past N, huge, near the wrap)
+        if g.p(0.6):
+            starts.append(cursor)
+            cursor += min(max(p, 0), L) + g.int(0, 3)
+        else:
+            starts.append(g.pick(-L, N + L))
+    kwargs = dict(verify_capacity=c["Vc"], write_req_capacity=c["Wc"], swa_window_size=c["W"],
+                  kv_token_id_vs_position_offset=c["koff"], row_starts=g.idx(starts))
+    if c["lut"]:
+        kwargs["full_to_swa_index_mapping"] = g.idx(
+            [g.int(0, S - 1) if g.p(0.8) else g.pick(-1, S) for _ in range(c["lut"])])
+    if c["pool"]:
+        Rp, Cp = c["pool"]
+        kwargs["req_to_verify_expected_tokens"] = g.idx(
+            [g.int(-1, 1000) if g.p(0.85) else g.pick(-1, 5) for _ in range(Rp * Cp)]).reshape(Rp, Cp)
+        kwargs["req_to_verify_expected_tokens_valid_lens"] = g.idx(
+            [g.int(0, Cp) if g.p(0.6) else g.pick(-1, Cp + 2) for _ in range(bs)])
+    return (g.idx(rps), g.idx(P), g.idx(E), g.idx(table)), kwargs
+
+
 def scatter_case(cls, seed):
     c = SCATTER_CLASSES[cls]
     g = Gen(3, sorted(SCATTER_CLASSES).index(cls), seed)
@@ -321,7 +359,9 @@ def scatter_case(cls, seed):
 
 
 MAKERS = {"verify": (VERIFY_CLASSES, verify_case), "write": (WRITE_CLASSES, write_case),
-          "plan": (PLAN_CLASSES, plan_case), "scatter_req_token_ids": (SCATTER_CLASSES, scatter_case)}
+          "plan": (PLAN_CLASSES, plan_case), "scatter_req_token_ids": (SCATTER_CLASSES, scatter_case),
+          "plan_row_starts": (PLAN_FLAT_CLASSES, plan_flat_case)}
+OP_OF = {"plan_row_starts": "plan"}  # a MAKERS key that is not an op name: the op it runs
 STATIC = {"tag", "check_verify_expected_token", "real_kv_hash_mode", "enable_write_input_assert",
           "verify_capacity", "write_req_capacity", "swa_window_size", "kv_token_id_vs_position_offset"}
 
@@ -445,8 +485,9 @@ def check_invariants(op, args, kwargs, out):
     return problems
 
 
-def _run_op(op):
-    classes, maker = MAKERS[op]
+def _run_op(name):
+    classes, maker = MAKERS[name]
+    op = OP_OF.get(name, name)
     names = sorted(classes)
     per_class = -(-CASES // len(names))
     failures, checked_oob = [], 0
@@ -470,7 +511,7 @@ def _run_op(op):
         assert checked_oob > per_class // 2, "the generator stopped producing out-of-range values"
 
 
-@pytest.mark.parametrize("op", ["verify", "write", "plan", "scatter_req_token_ids"])
+@pytest.mark.parametrize("op", ["verify", "write", "plan", "plan_row_starts", "scatter_req_token_ids"])
 def test_fuzz_op_against_reference(op):
     if not BACKENDS:
         pytest.skip("KVC_TEST_IMPLS selects no backend")

@@ -1,5 +1,6 @@
 """PLAN golden vectors (docs/format.md §12.8), through the ``ops`` fixture (reference, ffi, xla)."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -208,3 +209,91 @@ def test_plan_no_pool_tokens(ops):
     vp, _ = do_plan(ops, [1, 2], [3, 5], [1, 1])
     tok = np.asarray(vp.expected_tokens)
     assert tok[:8].tolist() == [-1] * 8 and not tok[8:].any()
+
+
+# ---- row_starts: a flat per-step page table (format.md §9.3) ------------------------------------------
+
+def flat(N=24, base=100):
+    return arr(base + np.arange(N))
+
+
+def test_plan_row_starts_two_segments(ops):
+    vp, wp = do_plan(ops, [1, 2], [3, 2], [1, 1], rt=flat(), row_starts=arr([4, 12]))
+    check_plan(vp, wp, slots=[104, 105, 106, 112, 113], poss=[0, 1, 2, 0, 1], prevs=[-1, 104, 105, -1, 112],
+               num_valid=5, offsets=[0, 1, 2, 0, 0], seeds=[106, 113, 0, 0], nvr=2)
+
+
+def test_plan_row_starts_page_aligned_gaps(ops):
+    # pages of 4: row 0 uses pages 0-1 (6 tokens), row 1 page 2, a padding row with a garbage start,
+    # and a new request without a prefix; slots 6, 7, 11 are the gaps nobody reads
+    vp, wp = do_plan(ops, [3, 1, 0, 2], [6, 3, 99, 0], [1, 1, 99, 2], rt=flat(16),
+                     row_starts=arr([0, 8, 99, 12]))
+    check_plan(vp, wp, slots=[100, 101, 102, 103, 104, 105, 108, 109, 110], poss=[0, 1, 2, 3, 4, 5, 0, 1, 2],
+               prevs=[-1, 100, 101, 102, 103, 104, -1, 108, 109], num_valid=9,
+               offsets=[0, 1, 2, 2, 4], seeds=[105, 110, -1, -1], nvr=4)
+
+
+def test_plan_row_starts_out_of_range(ops):
+    # a start before the table, a segment running off its end, a start past it
+    vp, wp = do_plan(ops, [1, 2, 3], [4, 3, 2], [1, 1, 1], rt=flat(), row_starts=arr([-2, 22, 30]))
+    check_plan(vp, wp, slots=[-1, -1, 100, 101, 122, 123, -1, -1, -1], poss=[0, 1, 2, 3, 0, 1, 2, 0, 1],
+               prevs=[-1, -1, -1, 100, -1, 122, 123, -1, -1], num_valid=9,
+               offsets=[0, 1, 2, 3, 0], seeds=[101, -1, -1, 0], nvr=3)
+
+
+def test_plan_row_starts_pool_and_lut(ops):
+    # the token pool and liveness still follow req_pool_indices; the LUT translates the flat reads
+    vp, wp = do_plan(ops, [2, 1], [3, 2], [1, 1], rt=flat(), row_starts=arr([10, 0]), swa_window_size=2,
+                     full_to_swa_index_mapping=arr(np.arange(128) + 1000),
+                     req_to_verify_expected_tokens=pool(), req_to_verify_expected_tokens_valid_lens=arr([16, 1]))
+    check_plan(vp, wp, slots=[1111, 1112, 1100, 1101], toks=[2001, 2002, 1000, -1], poss=[1, 2, 0, 1],
+               prevs=[1110, 1111, -1, 1100], num_valid=4, offsets=[0, 1, 2, 0, 0], seeds=[1112, 1101, 0, 0],
+               nvr=2)
+
+
+def test_plan_row_starts_int64_no_narrowing(ops):
+    # int64 starts are used whole: 2**32 + 1 is not start 1, and the sums near 2**63 wrap to
+    # negative indices (-1), never into the table
+    with jax.enable_x64(True):
+        starts = arr([2**32 + 1, 2**63 - 1, -2**63 + 1, 3], np.int64)
+        vp, wp = do_plan(ops, [1, 2, 3, 1], [2, 2, 2, 2], [1, 1, 1, 1], rt=flat(24).astype(np.int64),
+                         row_starts=starts)
+        check_plan(vp, wp, slots=[-1, -1, -1, -1, -1, -1, 103, 104], poss=[0, 1] * 4,
+                   prevs=[-1, -1, -1, -1, -1, -1, -1, 103], num_valid=8, offsets=[0, 1, 2, 3, 4],
+                   seeds=[-1, -1, -1, 104], nvr=4)
+
+
+EQUIV_CASES = [  # (seed, R, L, window, lut, pool, offset)
+    (0, 5, 12, 0, False, False, 0),
+    (1, 6, 16, 0, True, True, 1),
+    (2, 4, 20, 5, True, True, -1),
+    (3, 8, 8, 3, True, False, 0),
+]
+
+
+@pytest.mark.parametrize("seed,R,L,W,with_lut,with_pool,koff", EQUIV_CASES)
+def test_plan_row_starts_equals_2d_table(ops, seed, R, L, W, with_lut, with_pool, koff):
+    """plan(rp, P, E, T) == plan(rp, P, E, T.reshape(-1), row_starts=rp * L) when every read is
+    inside the rows."""
+    rng = np.random.default_rng(seed)
+    bs = 5
+    t = rng.integers(-3, 90, (R, L))
+    rps = rng.integers(0, R, bs)
+    P = rng.integers(0, L + 1, bs)
+    E = rng.integers(-1, 4, bs)
+    kw = dict(verify_capacity=64, write_req_capacity=bs + 1)
+    if W:
+        kw["swa_window_size"] = W
+    if with_lut:
+        kw["full_to_swa_index_mapping"] = arr(rng.integers(-2, 100, 80))
+    if with_pool:
+        kw["req_to_verify_expected_tokens"] = arr(rng.integers(0, 5000, (R, L + 2)))
+        kw["req_to_verify_expected_tokens_valid_lens"] = arr(rng.integers(0, L + 3, bs))
+    if koff:
+        kw["kv_token_id_vs_position_offset"] = koff
+    two_d = ops.plan(arr(rps), arr(P), arr(E), arr(t), **kw)
+    flat_ = ops.plan(arr(rps), arr(P), arr(E), arr(t.reshape(-1)), row_starts=arr(rps * L), **kw)
+    for a, b in zip(jax.tree_util.tree_leaves(two_d), jax.tree_util.tree_leaves(flat_)):
+        assert np.asarray(a).dtype == np.asarray(b).dtype == np.int32
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(np.asarray(two_d[0].num_valid)[0]) > 0

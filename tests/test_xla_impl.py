@@ -92,6 +92,10 @@ def scenario_x64(index_dtype: str) -> str:
     out += list(kvc.plan(idx([1, 2, 3]), idx([9, 3, 12]), idx([1, 1, 0]), r2t, verify_capacity=16,
                          write_req_capacity=3, swa_window_size=4, full_to_swa_index_mapping=lut,
                          impl="xla"))
+    out += list(kvc.plan(idx([1, 2, 3, 4]), idx([9, 3, 12, 2]), idx([1, 1, 0, 1]), r2t.reshape(-1), verify_capacity=32,
+                         write_req_capacity=4, swa_window_size=4, full_to_swa_index_mapping=lut,
+                         req_to_verify_expected_tokens=pool, req_to_verify_expected_tokens_valid_lens=idx([12, 3, 5, 7]),
+                         row_starts=idx([12, -2, 50, 2**31 - 3]), impl="xla"))
     log = kvc.verify(canary, log, vp, tag=4, check_verify_expected_token=True, real_kv_sources=srcs,
                      real_kv_hash_mode=kvc.RealKvHashMode.ALL, impl="xla")
     out.append(log)
@@ -620,6 +624,13 @@ if __name__ != "__main__":
             ref = reference.plan(*args, **kw)
             got = kvc.plan(*_to_jax(args), impl="xla", **_to_jax(kw))
             assert _same(got, ref), (P, E, W, koff, Vc)
+            # the same from a flat table, with starts whose int32 sums with those positions wrap
+            for starts in ([0, 8, 16], [big, 5, -big - 1], [-3, big - 2, 2**30]):
+                fargs = args[:3] + (args[3].reshape(-1),)
+                fkw = dict(kw, row_starts=np.array(starts, np.int32))
+                ref = reference.plan(*fargs, **fkw)
+                got = kvc.plan(*_to_jax(fargs), impl="xla", **_to_jax(fkw))
+                assert _same(got, ref), (P, E, W, koff, Vc, starts)
 
 
 if __name__ == "__main__":

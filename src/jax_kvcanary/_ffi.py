@@ -179,12 +179,14 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag, 
 
 def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify_capacity, write_req_capacity,
          swa_window_size, full_to_swa_index_mapping, req_to_verify_expected_tokens,
-         req_to_verify_expected_tokens_valid_lens, kv_token_id_vs_position_offset):
+         req_to_verify_expected_tokens_valid_lens, kv_token_id_vs_position_offset, row_starts):
     """Native plan. Returns fresh int32 ``(VerifyPlan, WritePlan)``."""
     has_lut = full_to_swa_index_mapping is not None
     has_pool = req_to_verify_expected_tokens is not None
+    has_row_starts = row_starts is not None
     empty = jnp.zeros((0,), jnp.int32)
     lut = full_to_swa_index_mapping if has_lut else empty
+    starts = row_starts if has_row_starts else empty
     pool = req_to_verify_expected_tokens if has_pool else jnp.zeros((0, 0), jnp.int32)
     valid_lens = req_to_verify_expected_tokens_valid_lens if has_pool else empty
     i32 = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)  # noqa: E731
@@ -194,9 +196,9 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
                                           i32(wc + 1), i32(wc), i32(1), _scratch("plan_scratch_bytes", bs)),
                             vmap_method=VMAP_METHOD)
     slots, tokens, positions, prevs, num_valid, enable, offsets, seeds, num_valid_reqs, _ = call(
-        req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, lut, pool, valid_lens,
+        req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, lut, pool, valid_lens, starts,
         window=np.int64(swa_window_size), token_offset=np.int64(kv_token_id_vs_position_offset),
-        has_lut=np.bool_(has_lut), has_pool=np.bool_(has_pool))
+        has_lut=np.bool_(has_lut), has_pool=np.bool_(has_pool), has_row_starts=np.bool_(has_row_starts))
     return (VerifyPlan(slots, tokens, positions, prevs, num_valid, enable),
             WritePlan(offsets, seeds, num_valid_reqs))
 

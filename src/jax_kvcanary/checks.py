@@ -140,10 +140,7 @@ def static_bool(value, name: str) -> bool:
 # ---- [IDX] --------------------------------------------------------------------------------------
 def index_array(x, name: str, length: int | None = None, length_text: str | None = None) -> int:
     """[IDX] 1-4: a 1-D int32/int64 array (of ``length`` if given). Returns its length."""
-    if not _is_array(x):
-        raise KvCanaryTypeError(f"kv-canary: {name} must be a jax.Array, got {type(x).__name__}")
-    if _dtype(x) not in INDEX_DTYPES:
-        raise KvCanaryTypeError(f"kv-canary: {name} must have dtype int32 or int64, got {_dtype(x).name}")
+    _index_typed(x, name)
     if len(_shape(x)) != 1:
         raise ValueError(f"kv-canary: {name} must be 1-D, got shape {_shape(x)}")
     n = _shape(x)[0]
@@ -169,13 +166,27 @@ def scalar_i32(x, name: str) -> None:
 
 def index_matrix(x, name: str) -> tuple:
     """A 2-D int32/int64 table (req_to_token, the token pool). Returns its shape."""
+    _index_typed(x, name)
+    if len(_shape(x)) != 2:
+        raise ValueError(f"kv-canary: {name} must be 2-D, got shape {_shape(x)}")
+    return _shape(x)
+
+
+def flat_table(x, name: str, when: str) -> int:
+    """A 1-D int32/int64 table read at computed offsets (req_to_token with row_starts). ``when``
+    names the argument that asks for it. Returns its length."""
+    _index_typed(x, name)
+    if len(_shape(x)) != 1:
+        raise ValueError(f"kv-canary: {name} must be 1-D when {when}, got shape {_shape(x)}")
+    return _shape(x)[0]
+
+
+def _index_typed(x, name: str) -> None:
+    """[IDX] 1-2: an array of dtype int32 or int64."""
     if not _is_array(x):
         raise KvCanaryTypeError(f"kv-canary: {name} must be a jax.Array, got {type(x).__name__}")
     if _dtype(x) not in INDEX_DTYPES:
         raise KvCanaryTypeError(f"kv-canary: {name} must have dtype int32 or int64, got {_dtype(x).name}")
-    if len(_shape(x)) != 2:
-        raise ValueError(f"kv-canary: {name} must be 2-D, got shape {_shape(x)}")
-    return _shape(x)
 
 
 # ---- plan statics (format.md §9.4) -------------------------------------------------------------------

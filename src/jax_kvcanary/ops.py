@@ -134,18 +134,26 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag, 
 
 def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify_capacity, write_req_capacity,
          swa_window_size=0, full_to_swa_index_mapping=None, req_to_verify_expected_tokens=None,
-         req_to_verify_expected_tokens_valid_lens=None, kv_token_id_vs_position_offset=0, impl=None):
+         req_to_verify_expected_tokens_valid_lens=None, kv_token_id_vs_position_offset=0, row_starts=None,
+         impl=None):
     """Turn the batch metadata of a step into its verify and write work lists (docs/format.md §9).
 
     Every live batch row (``req_pool_indices != 0``) verifies its prefix (positions
     ``[0, prefix_len)``, or the last ``swa_window_size`` of them) and writes ``extend_seq_len``
     tokens, seeded by the slot of position ``prefix_len - 1``.
 
+    The slot of position ``pos`` of batch row ``r`` is read from ``req_to_token[rp, pos]``
+    (``rp = req_pool_indices[r]``), or, with ``row_starts``, from the flat page table at
+    ``req_to_token[row_starts[r] + pos]`` (an int64 sum, wrapping; the page table that attention
+    reads in the step, such as sglang-jax's ``cache_loc``). A read outside the table gives -1.
+
     Args:
-      req_pool_indices: int32/int64 ``[bs]``, each batch row's row of ``req_to_token``; 0 = padding.
+      req_pool_indices: int32/int64 ``[bs]``, each batch row's row of ``req_to_token`` (and of the
+        token pool); 0 = padding.
       prefix_lens: int32/int64 ``[bs]``, tokens already in the KV cache.
       extend_seq_lens: int32/int64 ``[bs]``, tokens written this step.
-      req_to_token: int32/int64 ``[R, L]``, the full-pool slot of ``(row, position)``.
+      req_to_token: int32/int64 ``[R, L]``, the full-pool slot of ``(row, position)``; with
+        ``row_starts``, the flat page table ``[N]``.
       verify_capacity: ``V``, the length of the verify entry arrays (``1 <= V < 2**31``). Static.
         A step with more entries skips its verify (``enable = 0``) but still writes.
       write_req_capacity: ``C``, the number of write requests (``bs <= C < 2**31``). Static.
@@ -157,6 +165,8 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
         row's pool row; given iff the pool is.
       kv_token_id_vs_position_offset: added to the position before indexing the pool (0, or +1 for
         EAGLE draft pools). Static.
+      row_starts: int32/int64 ``[bs]``, where each batch row's segment starts in the flat
+        ``req_to_token``, or None (the default: ``req_to_token`` is the 2-D table).
       impl: ``"ffi"``, ``"xla"`` or None (see ``verify``).
 
     Returns:
@@ -183,7 +193,11 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
     checks.index_array(extend_seq_lens, "extend_seq_lens", bs)
     if bs > wcap:
         raise ValueError(f"kv-canary: bs={bs} exceeds write_req_capacity={wcap}")
-    checks.index_matrix(req_to_token, "req_to_token")
+    if row_starts is None:
+        checks.index_matrix(req_to_token, "req_to_token")
+    else:
+        checks.index_array(row_starts, "row_starts", bs)
+        checks.flat_table(req_to_token, "req_to_token", "row_starts is given")
     if full_to_swa_index_mapping is not None:
         if checks.index_array(full_to_swa_index_mapping, "full_to_swa_index_mapping") == 0:
             raise ValueError("kv-canary: full_to_swa_index_mapping length must be >= 1, got 0")
@@ -201,7 +215,7 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
         req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, verify_capacity=vcap,
         write_req_capacity=wcap, swa_window_size=window, full_to_swa_index_mapping=full_to_swa_index_mapping,
         req_to_verify_expected_tokens=pool, req_to_verify_expected_tokens_valid_lens=valid_lens,
-        kv_token_id_vs_position_offset=offset)
+        kv_token_id_vs_position_offset=offset, row_starts=row_starts)
 
 
 def scatter_req_token_ids(pool, flat_ids, offsets, req_pool_indices, *, impl=None):

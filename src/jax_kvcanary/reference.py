@@ -300,15 +300,16 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *,
          verify_capacity, write_req_capacity,
          swa_window_size=0, full_to_swa_index_mapping=None,
          req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
-         kv_token_id_vs_position_offset=0):
+         kv_token_id_vs_position_offset=0, row_starts=None):
     """Turn batch metadata into a (VerifyPlan, WritePlan) (§9.3). Every output element is defined
-    (tails zero, §9.2); values are narrowed to int32 by their low 32 bits."""
+    (tails zero, §9.2); values are narrowed to int32 by their low 32 bits. With ``row_starts``,
+    ``req_to_token`` is the flat page table and batch row r reads it at ``row_starts[r] + pos``."""
     Vc, Wc, W = int(verify_capacity), int(write_req_capacity), int(swa_window_size)
     koff = int(kv_token_id_vs_position_offset)
     rps, Ps, Es = _ints(req_pool_indices), _ints(prefix_lens), _ints(extend_seq_lens)
     bs = len(rps)
     table = np.asarray(req_to_token).astype(np.int64)
-    R, Lt = table.shape
+    starts = None if row_starts is None else _ints(row_starts)
     lut = None if full_to_swa_index_mapping is None else _ints(full_to_swa_index_mapping)
     pool = None
     if req_to_verify_expected_tokens is not None:
@@ -316,8 +317,14 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *,
         Rp, Cp = pool.shape
         valid_lens = _ints(req_to_verify_expected_tokens_valid_lens)
 
-    def rt(rp, pos):  # out-of-table read -> -1
-        return int(table[rp, pos]) if 0 <= rp < R and 0 <= pos < Lt else -1
+    def rt(r, rp, pos):  # the slot of position pos of batch row r; out-of-table read -> -1
+        if pos < 0:
+            return -1
+        if starts is not None:  # flat table [N]: a wrapping int64 sum
+            idx = _w64(starts[r] + pos)
+            return int(table[idx]) if 0 <= idx < table.shape[0] else -1
+        R, Lt = table.shape
+        return int(table[rp, pos]) if 0 <= rp < R and pos < Lt else -1
 
     def T(x):  # LUT translation; outside [0, Llut) -> -1
         if lut is None:
@@ -347,15 +354,15 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *,
                 if len(slots) >= total:
                     break
                 pos = _w64(ws[r] + j)
-                slots.append(T(rt(rp, pos)))
-                prevs.append(T(rt(rp, pos - 1)) if pos > 0 else -1)  # SWA does not reset the chain
+                slots.append(T(rt(r, rp, pos)))
+                prevs.append(T(rt(r, rp, pos - 1)) if pos > 0 else -1)  # SWA does not reset the chain
                 toks.append(pool_tok(r, rp, _w64(pos + koff)))
                 poss.append(pos)
 
     offsets = [0]
     for r in range(bs):
         offsets.append(_w64(offsets[r] + wlen[r]))
-    seeds = [T(rt(rps[r], Ps[r] - 1)) if (live[r] and Ps[r] > 0 and wlen[r] > 0) else -1
+    seeds = [T(rt(r, rps[r], Ps[r] - 1)) if (live[r] and Ps[r] > 0 and wlen[r] > 0) else -1
              for r in range(bs)]
 
     vp = VerifyPlan(slot_indices=_narrow32(slots, Vc), expected_tokens=_narrow32(toks, Vc),

@@ -544,7 +544,7 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag: 
 def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify_capacity: int,
          write_req_capacity: int, swa_window_size: int, full_to_swa_index_mapping,
          req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
-         kv_token_id_vs_position_offset: int):
+         kv_token_id_vs_position_offset: int, row_starts=None):
     x64 = U.x64_enabled()
     D = jnp.int64 if x64 else I32
     dmax = 2**63 - 1 if x64 else INT32_MAX
@@ -557,13 +557,25 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
     vlens = req_to_verify_expected_tokens_valid_lens
 
     bs = int(req_pool_indices.shape[0])
-    R, L = (int(d) for d in req_to_token.shape)
     rp = req_pool_indices.astype(D)
     P = prefix_lens.astype(D)
     E = extend_seq_lens.astype(D)
     live = rp != consts.REQ_POOL_IDX_PADDING
+    starts = None if row_starts is None else row_starts.astype(D)
 
-    def rt(rpv, pos):
+    def rt(start, rpv, pos):
+        """The slot of ``pos`` for the batch rows of ``start`` (their row_starts) and ``rpv``."""
+        if starts is not None:  # the flat table [N], read at start + pos
+            N = int(req_to_token.shape[0])
+            if N == 0:
+                return jnp.full(pos.shape, -1, D)
+            # A wrapping int64 sum with x64 on. With x64 off both terms are int32 and only pos >= 0
+            # is read, so the sum wraps exactly when it is >= 2**31 (> N), and then to a negative
+            # value: the range check below rejects it either way.
+            idx = start + pos
+            ok = (pos >= 0) & (idx >= 0) & (idx < N)
+            return jnp.where(ok, req_to_token[jnp.clip(idx, 0, N - 1)].astype(D), -1)
+        R, L = (int(d) for d in req_to_token.shape)
         if R == 0 or L == 0:
             return jnp.full(pos.shape, -1, D)
         ok = (rpv >= 0) & (rpv < R) & (pos >= 0) & (pos < L)
@@ -592,7 +604,7 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
     span = P - ws
     vlen = jnp.where(live & (span > 0), span, 0)
     wlen = jnp.where(live & (E > 0), E, 0)
-    seed = jnp.where(live & (P > 0) & (wlen > 0), T(rt(rp, P - 1)), -1)
+    seed = jnp.where(live & (P > 0) & (wlen > 0), T(rt(starts, rp, P - 1)), -1)
 
     # write plan
     offsets = jnp.zeros((Wc + 1,), I32)
@@ -630,9 +642,10 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
     r = jnp.clip(_searchsorted(incl, e, "right"), 0, bs - 1)
     j = lax.convert_element_type(e - (incl[r] - vl_u[r]), D)
     rpr = rp[r]
+    sr = None if starts is None else starts[r]
     pos = ws[r] + j
-    slot = T(rt(rpr, pos))
-    prev = jnp.where(pos > 0, T(rt(rpr, pos - 1)), -1)
+    slot = T(rt(sr, rpr, pos))
+    prev = jnp.where(pos > 0, T(rt(sr, rpr, pos - 1)), -1)
     if pool is not None:
         Rp, Cp = (int(d) for d in pool.shape)
         s = pos + jnp.asarray(off, D)

@@ -113,7 +113,8 @@ int kvc_emu_write(uint8_t* canary, int64_t num_slots, int64_t stride, uint8_t* r
 }
 
 int kvc_emu_plan(const void* rpi, int rpi64, const void* prefix, int prefix64, const void* extend, int extend64,
-                 int64_t bs, const void* r2t, int r2t64, int64_t R, int64_t Lcols, int has_lut, const void* lut,
+                 int64_t bs, const void* r2t, int r2t64, int64_t R, int64_t Lcols, int has_row_starts,
+                 const void* row_starts, int row_starts64, int64_t N, int has_lut, const void* lut,
                  int lut64, int64_t lut_len, int has_pool, const void* pool, int pool64, int64_t Rp, int64_t Cp,
                  const void* valid_lens, int valid_lens64, int64_t window, int64_t token_offset, int64_t vcap,
                  int64_t wcap, int32_t* slots, int32_t* tokens, int32_t* positions, int32_t* prevs,
@@ -125,6 +126,9 @@ int kvc_emu_plan(const void* rpi, int rpi64, const void* prefix, int prefix64, c
   a.req_to_token = iv(r2t, r2t64);
   a.R = R;
   a.L = Lcols;
+  a.has_row_starts = has_row_starts != 0;
+  a.row_starts = iv(row_starts, row_starts64);
+  a.N = N;
   a.has_lut = has_lut != 0 && lut_len > 0;
   a.lut = iv(lut, lut64);
   a.lut_len = lut_len;

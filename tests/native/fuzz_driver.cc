@@ -63,6 +63,7 @@ struct Coverage {
   uint64_t kinds_seen = 0;  // bit k: IndexKind code k appeared in an actual ring row
   long rows = 0, oob_rows = 0, dropped = 0, saturated = 0, disabled = 0, zero_row_cases = 0, wrapped = 0;
   long launches = 0;
+  long row_starts = 0;  // plan launches that read a flat table through row_starts
 };
 Coverage g_cov[6];
 
@@ -646,6 +647,9 @@ struct PlanCase {
   int64_t bs, vcap, wcap, R, L, lut_len, Rp, Cp, window, token_offset;
   bool has_lut, has_pool;
   Idx rpi, P, E, r2t, lut, pool, vl;
+  bool has_rs = false;  // row_starts: the slots are read from the flat table [N] instead of r2t
+  int64_t N = 0;
+  Idx flat, rs;
 };
 
 struct PlanExpect {
@@ -655,7 +659,13 @@ struct PlanExpect {
 };
 
 PlanExpect oracle_plan(const PlanCase& p) {  // §9.3, written out independently
-  auto rt = [&](int64_t rp, int64_t pos) -> int64_t {
+  auto rt = [&](int64_t r, int64_t rp, int64_t pos) -> int64_t {
+    if (p.has_rs) {
+      // The exact sum: with pos >= 0 the int64 wrap of §9.3 only ever turns a sum >= 2^63 into a
+      // negative index, so both read the same slots.
+      const __int128 idx = static_cast<__int128>(p.rs.get(r)) + pos;
+      return (pos >= 0 && idx >= 0 && idx < p.N) ? p.flat.get(static_cast<int64_t>(idx)) : -1;
+    }
     return (rp >= 0 && rp < p.R && pos >= 0 && pos < p.L) ? p.r2t.get(rp * p.L + pos) : -1;
   };
   auto T = [&](int64_t x) -> int64_t {
@@ -680,7 +690,7 @@ PlanExpect oracle_plan(const PlanCase& p) {  // §9.3, written out independently
     total = wadd(total, vlen[r]);
     off = wadd(off, wlen[r]);
     x.offsets[r + 1] = low32(off);
-    x.seeds[r] = low32((live && P > 0 && wlen[r] > 0) ? T(rt(rp, P - 1)) : -1);
+    x.seeds[r] = low32((live && P > 0 && wlen[r] > 0) ? T(rt(r, rp, P - 1)) : -1);
   }
   x.total = total;
   x.num_valid = low32(total < p.vcap ? total : p.vcap);
@@ -691,8 +701,8 @@ PlanExpect oracle_plan(const PlanCase& p) {  // §9.3, written out independently
     for (int64_t r = 0; r < p.bs && flat < total; ++r)
       for (int64_t j = 0; j < vlen[r] && flat < total; ++j, ++flat) {
         const int64_t rp = p.rpi.get(r), pos = wadd(ws[r], j);
-        x.slots[flat] = low32(T(rt(rp, pos)));
-        x.prevs[flat] = low32(pos > 0 ? T(rt(rp, pos - 1)) : -1);
+        x.slots[flat] = low32(T(rt(r, rp, pos)));
+        x.prevs[flat] = low32(pos > 0 ? T(rt(r, rp, pos - 1)) : -1);
         x.toks[flat] = low32(pool_tok(r, rp, wadd(pos, p.token_offset)));
         x.poss[flat] = low32(pos);
       }
@@ -733,10 +743,36 @@ void fuzz_plan(Rng& g) {
   for (int64_t i = 0; i < p.r2t.n; ++i) p.r2t.set(i, g.pct(80) ? g.range(0, S - 1) : pick(g, -1, S));
   for (int64_t i = 0; i < p.lut.n; ++i) p.lut.set(i, g.pct(80) ? g.range(0, S - 1) : pick(g, -1, S));
   for (int64_t i = 0; i < p.pool.n; ++i) p.pool.set(i, g.pct(85) ? g.range(-1, 1000) : pick(g, -1, 5));
+  p.has_rs = g.pct(35);
+  if (p.has_rs) {  // a flat page table; starts: segments in order, or before / across / past it, near the wrap
+    p.N = g.pct(5) ? 0 : g.range(1, 40);
+    p.flat = Idx(p.N, wide()), p.rs = Idx(p.bs, wide());
+    for (int64_t i = 0; i < p.flat.n; ++i) p.flat.set(i, g.pct(80) ? g.range(0, S - 1) : pick(g, -1, S));
+    int64_t cursor = 0;
+    for (int64_t r = 0; r < p.bs; ++r) {
+      const int k = static_cast<int>(g.next() % 100);
+      if (k < 50) {
+        p.rs.set(r, cursor);
+        cursor += clampi(p.P.get(r), 0, p.L) + g.range(0, 3);
+      } else if (k < 80) {
+        p.rs.set(r, pick(g, -p.L, p.N + p.L));
+      } else if (k < 90) {
+        p.rs.set(r, I64MAX - g.range(0, p.L));  // sums wrap to the most negative indices
+      } else if (k < 95) {
+        p.rs.set(r, INT32_MAX - g.range(0, p.L));  // sums pass 2^31 (an int32 sum would wrap)
+      } else {
+        p.rs.set(r, (int64_t(1) << 32) + g.range(0, p.N));  // in the table if narrowed to 32 bits
+      }
+    }
+  }
 
   PlanArgs a{};
   a.req_pool_indices = p.rpi.view(), a.prefix_lens = p.P.view(), a.extend_seq_lens = p.E.view();
   a.req_to_token = p.r2t.view(), a.R = p.R, a.L = p.L;
+  if (p.has_rs) {  // R and L stay set: the flat read must not use them
+    a.has_row_starts = true, a.row_starts = p.rs.view(), a.N = p.N;
+    a.req_to_token = p.flat.view();
+  }
   a.has_lut = p.has_lut, a.lut = p.lut.view(), a.lut_len = p.lut_len;
   a.has_pool = p.has_pool, a.pool = p.pool.view(), a.Rp = p.Rp, a.Cp = p.Cp, a.valid_lens = p.vl.view();
   a.window = p.window, a.token_offset = p.token_offset;
@@ -751,11 +787,14 @@ void fuzz_plan(Rng& g) {
   const PlanExpect x = oracle_plan(p);
   if (std::getenv("KVC_FUZZ_DUMP")) {  // the case's inputs, for turning a failure into a regression test
     std::printf("plan bs=%" PRId64 " vcap=%" PRId64 " wcap=%" PRId64 " R=%" PRId64 " L=%" PRId64 " window=%" PRId64
-                " lut=%d pool=%d\n", p.bs, p.vcap, p.wcap, p.R, p.L, p.window, p.has_lut, p.has_pool);
+                " lut=%d pool=%d row_starts=%d N=%" PRId64 "\n", p.bs, p.vcap, p.wcap, p.R, p.L, p.window, p.has_lut,
+                p.has_pool, p.has_rs, p.N);
     for (int64_t r = 0; r < p.bs; ++r)
-      std::printf("  row %" PRId64 ": rp=%" PRId64 " P=%" PRId64 " E=%" PRId64 "\n", r, p.rpi.get(r), p.P.get(r), p.E.get(r));
+      std::printf("  row %" PRId64 ": rp=%" PRId64 " P=%" PRId64 " E=%" PRId64 " start=%" PRId64 "\n", r, p.rpi.get(r),
+                  p.P.get(r), p.E.get(r), p.has_rs ? p.rs.get(r) : 0);
   }
   ++g_cov[g_opi].launches;
+  if (p.has_rs) ++g_cov[g_opi].row_starts;
   if (!x.enable) ++g_cov[g_opi].disabled;
   if (x.total < 0) ++g_cov[g_opi].wrapped;
   CHECK(nv[0] == x.num_valid, "num_valid %d, want %d", nv[0], x.num_valid);
@@ -816,7 +855,9 @@ void fuzz_scatter(Rng& g) {
 // ======================================== CYCLE ===================================================
 // A tiny well-formed serving loop through all launchers: requests extend by 1..3 tokens per step into
 // fresh slots; plan -> verify (previous records) -> write (new records) with real-KV sources; a clean
-// run must record nothing. Then one req_to_token swap must be reported by the next verify.
+// run must record nothing. Then one req_to_token swap must be reported by the next verify. Half of the
+// runs plan from a flat per-step page table instead (each row's segment, with gaps, and row_starts),
+// as an engine's attention reads it.
 void fuzz_cycle(Rng& g) {
   const int64_t R = 4, Lmax = 16, S = 1 + (R - 1) * Lmax + 1;
   const int64_t bs = R - 1, vcap = (R - 1) * Lmax, wcap = bs + g.range(0, 2);
@@ -842,6 +883,7 @@ void fuzz_cycle(Rng& g) {
   const int64_t tag = g.range(0, NUM_LAUNCH_TAGS - 1);
   int64_t verify_slots = 0, write_slots = 0, steps = 0;
   const bool inject = g.pct(50);
+  const bool flat_table = g.pct(50);
   bool injected = false;
   for (int step = 0; step < 8; ++step) {
     Idx rpi(bs, true), P(bs, true), E(bs, true);
@@ -866,6 +908,21 @@ void fuzz_cycle(Rng& g) {
     pa.req_pool_indices = rpi.view(), pa.prefix_lens = P.view(), pa.extend_seq_lens = E.view();
     pa.req_to_token = r2t.view(), pa.R = R, pa.L = Lmax, pa.lut = nolut.view(), pa.pool = nopool.view();
     pa.valid_lens = novl.view();
+    Idx flat, starts(bs, g.pct(50));
+    if (flat_table) {  // segments of P + E slots in batch order, each start rounded up to a page of 4
+      std::vector<int64_t> cells;
+      for (int64_t r = 0; r < bs; ++r) {
+        cells.resize(cells.size() + g.range(0, 2));
+        while (cells.size() % 4) cells.push_back(0);
+        starts.set(r, static_cast<int64_t>(cells.size()));
+        for (int64_t pos = 0; pos < P.get(r) + E.get(r); ++pos) cells.push_back(r2t.get((r + 1) * Lmax + pos));
+      }
+      flat = Idx(static_cast<int64_t>(cells.size()), g.pct(50));
+      for (int64_t i = 0; i < flat.n; ++i) flat.set(i, cells[i]);
+      pa.req_to_token = flat.view(), pa.has_row_starts = true, pa.row_starts = starts.view(), pa.N = flat.n;
+      pa.R = pa.L = 0;
+      ++g_cov[g_opi].row_starts;
+    }
     Heap<int32_t> vs(vcap), vt(vcap), vp(vcap), vq(vcap), vn(1), ve(1), wo(wcap + 1), wsd(wcap), wn(1);
     with_executor(g, [&](const auto& exec) {
       plan_launch(pa, bs, vcap, wcap, PlanOut{vs.data(), vt.data(), vp.data(), vq.data(), vn.data(), ve.data(),
@@ -983,6 +1040,7 @@ int main(int argc, char** argv) {
             "%s never dropped/saturated/clean", kOps[op].name);
     }
     CHECK(g_cov[0].disabled > 0 && g_cov[2].disabled > 0 && g_cov[2].wrapped > 0, "plan/verify edge paths unreached");
+    CHECK(g_cov[2].row_starts > 0 && g_cov[4].row_starts > 0, "plan never read a flat table through row_starts");
   }
   if (g_failures) {
     std::fprintf(stderr, "fuzz_driver: %ld failure(s)\n", g_failures);

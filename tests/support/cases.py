@@ -110,6 +110,20 @@ PLAN_CONFIGS = {
                               koff=-1),
     "p8_i32_pool_narrow": dict(dt="i32", bs=6, R=8, L=8, Vc=64, Wc=8, W=0, lut=None, pool=(8, 6),
                                koff=0),
+    # row_starts: req_to_token is a flat page table of N slots (R only bounds req_pool_indices and
+    # the pool rows, L the prefix lengths)
+    "p9a_i32_rows": dict(dt="i32", bs=5, R=6, L=12, Vc=48, Wc=6, W=0, lut=None, pool=None, koff=0,
+                         flat=40),
+    "p9b_i64_rows_pool_lut": dict(dt="i64", bs=4, R=5, L=10, Vc=40, Wc=5, W=0, lut=40, pool=(5, 12),
+                                  koff=1, flat=30),
+    "p9c_mixed_rows_swa": dict(dt="mixed", bs=4, R=4, L=16, Vc=24, Wc=4, W=5, lut=64, pool=(4, 16),
+                               koff=0, flat=50),
+    "p9d_i32_rows_swa_pool": dict(dt="i32", bs=6, R=4, L=9, Vc=30, Wc=7, W=3, lut=30, pool=(4, 8),
+                                  koff=-1, flat=36),
+    "p9e_i32_rows_empty": dict(dt="i32", bs=0, R=2, L=4, Vc=4, Wc=2, W=0, lut=None, pool=(2, 4), koff=0,
+                               flat=6),
+    "p9f_i32_rows_no_table": dict(dt="i32", bs=3, R=3, L=6, Vc=12, Wc=3, W=0, lut=None, pool=None,
+                                  koff=0, flat=0),
 }
 
 SCATTER_CONFIGS = {
@@ -494,7 +508,37 @@ def _plan_case(config: str, seed: int) -> dict:
     if c["koff"] or g.p(0.3):
         kwargs["kv_token_id_vs_position_offset"] = c["koff"]
     args = (g.idx(rps), g.idx(P), g.idx(E), g.idx(table.ravel()).reshape(R, L))
+    if c.get("flat") is not None:
+        table, kwargs["row_starts"] = _flat_table(g, c["flat"], slot_hi, P)
+        args = args[:3] + (table,)
     return dict(args=args, kwargs=kwargs)
+
+
+def _flat_table(g: _Gen, N: int, slot_hi: int, P):
+    """A flat page table of N slots and each batch row's start in it: mostly segments laid out one
+    after the other (with page-aligned gaps), and starts before the table, running off its end, past
+    it, near the int32 limits (their sums wrap in int32) and, with int64 arrays, near the int64
+    limits and past 2**32 (wrong if narrowed)."""
+    big = 2**31 + 5
+    table = g.rng.integers(1, slot_hi, N).astype(np.int64)
+    mask = g.rng.random(N)
+    table[mask < 0.05] = 0
+    table[(mask >= 0.05) & (mask < 0.08)] = -1
+    if g.wide():
+        table[(mask >= 0.08) & (mask < 0.1)] = big
+    starts, cursor = [], 0
+    for p in P:
+        if g.p(0.65):
+            starts.append(cursor)
+            cursor += min(max(p, 0), 16) + g.choice([0, 0, 1, 3])
+            cursor += g.choice([0, -cursor % 4])  # sometimes the next segment starts on a page of 4
+        else:
+            odd = [-g.int(1, 6), N - g.int(0, 4), N + g.int(0, 5), I32_MAX - g.int(0, 3), I32_MIN + g.int(0, 3)]
+            if g.wide():
+                odd += [2**63 - 1 - g.int(0, 3), -2**63 + g.int(0, 3), 2**32 + g.int(0, 4),
+                        g.int(-2**63, 2**63 - 1)]
+            starts.append(g.choice(odd))
+    return g.idx(table), g.idx(starts)
 
 
 # ---- SCATTER ------------------------------------------------------------------------------------

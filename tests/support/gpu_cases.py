@@ -16,6 +16,8 @@ What they exercise (beyond cases.py):
   verify_overflow   violation-heavy with a small ring
   plan_big          many batch rows (multi-tile row scan), long prefixes, SWA + LUT, pool tokens
   plan_overflow     total > verify_capacity (enable = 0) with a full write plan
+  plan_flat         plan_big's batch read from a flat page table through row_starts (segments with
+                    page-aligned gaps; a few starts before, across the end of and past the table)
   scatter_big       many rows and columns (grid-stride over column tiles), duplicate pool rows
 """
 
@@ -43,7 +45,8 @@ _SIZES = {
 }
 
 _NAMES = ("write_long", "write_many", "write_conflict", "write_conflict_seeds", "write_overflow",
-          "verify_heavy", "verify_clean", "verify_overflow", "plan_big", "plan_overflow", "scatter_big")
+          "verify_heavy", "verify_clean", "verify_overflow", "plan_big", "plan_overflow", "plan_flat",
+          "scatter_big")
 
 
 def stress_names():
@@ -322,8 +325,18 @@ def _plan(name, seed, scale):
     live = rps != 0
     vlen = np.where(live, np.maximum(P - (np.maximum(P - W, 0) if W else 0), 0), 0)
     total = int(vlen.sum())
-    kw["verify_capacity"] = max(1, total + int(rng.integers(0, 9))) if name == "plan_big" else max(1, total - 1 - seed)
-    args = (_idx(rng, rps, dt), _idx(rng, P, dt), _idx(rng, E, dt), _idx(rng, table.ravel(), dt).reshape(R, L))
+    fits = name in ("plan_big", "plan_flat")
+    kw["verify_capacity"] = max(1, total + int(rng.integers(0, 9))) if fits else max(1, total - 1 - seed)
+    r2t = _idx(rng, table.ravel(), dt).reshape(R, L)
+    if name == "plan_flat":  # each row's segment, 0..7 slots apart, the next start rounded up to 16
+        lens = np.minimum(P, L) + rng.integers(0, 8, bs)
+        starts = np.concatenate([[0], np.cumsum(lens + (-lens % 16))[:-1]])
+        N = int(starts[-1] + lens[-1])
+        odd = rng.random(bs) < 0.02
+        starts[odd] = rng.choice([-3, N - 2, N + 7], int(odd.sum()))
+        kw["row_starts"] = _idx(rng, starts, dt)
+        r2t = _idx(rng, rng.integers(1, 4 * L, N), dt)
+    args = (_idx(rng, rps, dt), _idx(rng, P, dt), _idx(rng, E, dt), r2t)
     return _case("plan", name, seed, args, kw)
 
 

@@ -35,7 +35,10 @@ def run(impl: str, index_dtype: str) -> str:
         canary, log = kvc.write(canary, log, wp, ids, pos, loc, tag=2, real_kv_sources=sources,
                                 real_kv_hash_mode=kvc.RealKvHashMode.PARTIAL, enable_write_input_assert=True,
                                 expected_input_tokens=ids, expected_input_positions=pos + 1, impl=impl)
-        return canary, log, pool, vp, wp
+        # the same batch from the flat table: row 3's start is near 2**31 (its int32 sums would wrap)
+        flat = kvc.plan(idx([1, 2, 3]), prefix, extend, req_to_token.reshape(-1), verify_capacity=64,
+                        write_req_capacity=4, row_starts=idx([16, 30, 2**31 - 2]), impl=impl)
+        return canary, log, pool, vp, wp, flat
 
     prefix = idx([0, 0, 0])
     for t in range(3):
@@ -45,8 +48,8 @@ def run(impl: str, index_dtype: str) -> str:
         pos = idx(np.concatenate([np.arange(p, p + e) for p, e in zip(np.asarray(prefix), np.asarray(extend))]))
         loc = idx(np.concatenate([np.asarray(req_to_token)[r, p:p + e]
                                   for r, p, e in zip([1, 2, 3], np.asarray(prefix), np.asarray(extend))]))
-        canary, log, pool, vp, wp = step(canary, log, pool, prefix, extend, ids, pos, loc)
-        out += [canary, log, pool, vp, wp]
+        canary, log, pool, vp, wp, flat = step(canary, log, pool, prefix, extend, ids, pos, loc)
+        out += [canary, log, pool, vp, wp, flat]
         prefix = idx(np.asarray(prefix) + np.asarray(extend))
     digest = hashlib.sha256()
     for leaf in jax.tree_util.tree_leaves(out):
