@@ -26,12 +26,13 @@ REPORT_RE = re.compile(r"kv_canary violation: launch_tag=(\S+) fail_reason=(\S+)
 PUMPED_RE = re.compile(r"step_when_pumped=(\d+)")
 INJECTED_RE = re.compile(r"kv-canary: injected (\S+) at step (\d+)")
 
-#: a tiny engine on the CPU: small pool, few buckets (a short precompile), chunks of 64 tokens
+#: a tiny engine on the CPU: small pool, one batch bucket of 4 (a short precompile), prefill chunks
+#: of 64 tokens
 TINY_ENGINE_ARGS = (
     "--device", "cpu", "--attention-backend", "native", "--skip-server-warmup",
-    "--max-total-tokens", "2048", "--max-running-requests", "8", "--dtype", "float32",
-    "--mem-fraction-static", "0.1", "--precompile-bs-paddings", "1", "4", "8",
-    "--precompile-token-paddings", "64", "128", "--chunked-prefill-size", "64",
+    "--max-total-tokens", "2048", "--max-running-requests", "4", "--dtype", "float32",
+    "--mem-fraction-static", "0.1", "--precompile-bs-paddings", "4",
+    "--precompile-token-paddings", "64", "--chunked-prefill-size", "64",
     "--random-seed", "42", "--context-length", "1024")
 
 

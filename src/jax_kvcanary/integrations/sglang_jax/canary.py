@@ -3,15 +3,15 @@
 **What is wrapped, and why.** Exactly one thing, on the one ``ModelRunner`` instance passed in:
 ``model_runner.jitted_run_model``, the instance attribute that ``ModelRunner.initialize_jit`` sets
 to a Python wrapper around the runner's ``jax.jit``-compiled model call and that
-``ModelRunner._forward`` calls once per step. It is the one place where the step's batch
-(``ForwardBatch``), the KV pool before the forward and the per-layer KV buffers after it are all
-inside one compiled program. ``install`` replaces it by a wrapper around this module's own
-``jax.jit`` step, which runs canary HEAD, the same model call, then canary TAIL (real-KV
-fingerprints of layer 0 after the forward), donating the KV pool and the canary state together,
-and returns what the original returned, so ``_forward``, sampling and the scheduler run
-unchanged. ``uninstall()`` puts the original back.
+``ModelRunner._forward`` calls once per step. ``install`` replaces it by a wrapper that brackets
+the engine's own call with two jitted canary launches: HEAD before it (plan, write, verify) and
+TAIL after it (the same with real-KV fingerprints of layer 0's KV as the forward left it). The
+model call itself is the engine's, unchanged: the same compiled program, the same numbers, the
+same donation of the KV pool. The wrapper returns what the original returned, so ``_forward``,
+sampling and the scheduler run unchanged; ``uninstall()`` puts the original back. Each launch
+donates the canary state and is dispatched asynchronously, as the model call is.
 
-**What the step checks.** The plan is made on the device from the step's own page table
+**What the steps check.** The plan is made on the device from the step's own page table
 (``forward_batch.cache_loc``, the slots attention reads: ``layout.page_table_batch``), so nothing
 is copied to the device per step and nothing is read back inside the step. HEAD stamps the records
 of the step's new slots (``out_cache_loc``) and then verifies every entry of every request's
@@ -23,7 +23,7 @@ KV bytes fingerprinted after the forward.
 **Sweeps** of the prefix cache (``config.sweep_interval``) are collected on the host where the
 scheduler's radix tree is consistent (``request_sweep``, called by the scheduler hook of
 ``install_into_scheduler`` before it launches a batch, or by the wrapper itself when there is no
-scheduler hook) and run by the next step.
+scheduler hook) and run before the next step.
 
 **Reporting.** After each step the wrapper starts the canary's one-step-lag readback
 (``Monitor``): mode ``log`` logs each new violation (``logging.getLogger('jax_kvcanary')``),
@@ -31,8 +31,8 @@ mode ``raise`` hands the engine the step's KV buffers (``store_kv``, so it is no
 donated arrays) and raises ``CanaryViolationError``.
 
 **Compiles.** ``precompile(engine_precompile)`` runs the engine's own precompile with the canary
-installed (so the step is compiled for each of the engine's buckets), compiles the sweep for every
-capacity bucket, then starts from a fresh state: no compile is left for the request path.
+installed (so HEAD and TAIL are compiled for each of the engine's buckets), compiles the sweep for
+every capacity bucket, then starts from a fresh state: no compile is left for the request path.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from ...runtime.config import CanaryConfig
 from ...runtime.endpoints import CanaryEndpoints
 from ...runtime.monitor import Monitor, counter_snapshot
 from ...runtime.sweep import DEFAULT_MIN_CAPACITY, bucket_capacity, build_group_sweep_plans
-from .layout import page_table_batch, real_kv_sources, runner_layout
+from .layout import page_table_batch, real_kv_sources, runner_layout, step_arrays
 
 LOGGER = logging.getLogger("jax_kvcanary")
 
@@ -117,8 +117,8 @@ class SglangJaxCanary:
         self.tree_cache = tree_cache
         self.logger = logger or LOGGER
         self.num_slots = self.layout.geometry.num_slots
-        self._original = self._model = None          # taken by install()
-        self._step_fn = self._build_step()
+        self._original = None                        # taken by install()
+        self._head_fn, self._tail_fn = self._build_steps()
         self._sweep_fn = self._build_sweep()
         self._pending_sweep = None                   # plans collected on the host, run by a step
         self._sweep_lock = threading.Lock()
@@ -153,11 +153,10 @@ class SglangJaxCanary:
             self._pending_sweep = None
 
     def install(self) -> "SglangJaxCanary":
-        """Wrap the runner's ``jitted_run_model`` (again, after the engine re-ran
-        ``initialize_jit``, e.g. for new weights: the model's current weights are taken here)."""
+        """Wrap the runner's ``jitted_run_model`` (again after the engine re-ran
+        ``initialize_jit``, which sets a new one)."""
         if not self.installed:
             self._original = self.runner.jitted_run_model
-            self._model = self.layout.split_model()
             self.runner.jitted_run_model = self._run_model
         return self
 
@@ -198,26 +197,25 @@ class SglangJaxCanary:
             self.reset()
 
     # -- the jitted functions -------------------------------------------------------------------
-    def _build_step(self):
-        from flax import nnx
-
+    def _build_steps(self):
+        """The jitted HEAD and TAIL launches (canary state donated)."""
         mode = self.config.real_kv_hash_mode
         layout = self.layout
-        page_size, aligned = layout.page_size, layout.aligned_segments
+        page_size, aligned, mesh = layout.page_size, layout.aligned_segments, self.runner.mesh
 
-        def step(model_def, model_state_def, model_state_leaves, forward_batch, kv, logits_metadata,
-                 cstate):
-            model = nnx.merge(model_def, jax.tree_util.tree_unflatten(model_state_def,
-                                                                      model_state_leaves))
-            ep = self._endpoints(forward_batch.seq_lens.shape[0], forward_batch.cache_loc.shape[0])
-            batch = page_table_batch(forward_batch, page_size=page_size, aligned=aligned)
-            cstate, ctx = ep.head(cstate, batch)
-            outputs, layers = layout.call_model(model, forward_batch, kv, logits_metadata)
-            sources = real_kv_sources(layers[0], mode) if mode else {}
-            cstate = ep.tail(cstate, ctx, {"FULL": sources})
-            return outputs, cstate, counter_snapshot(cstate)
+        def head(cstate, arrays, decode):
+            ep = self._endpoints(arrays["seq_lens"].shape[0], arrays["cache_loc"].shape[0])
+            batch = page_table_batch(arrays, decode=decode, page_size=page_size, aligned=aligned,
+                                     mesh=mesh)
+            return ep.head(cstate, batch)
 
-        return jax.jit(step, donate_argnames=("kv", "cstate"), static_argnames=("model_state_def",))
+        def tail(cstate, ctx, kv0):
+            sources = real_kv_sources(kv0, mode) if mode else {}
+            cstate = self._endpoints(1, 1).tail(cstate, ctx, {"FULL": sources})
+            return cstate, counter_snapshot(cstate)
+
+        return (jax.jit(head, donate_argnums=(0,), static_argnames=("decode",)),
+                jax.jit(tail, donate_argnums=(0, 1)))
 
     def _build_sweep(self):
         mode = self.config.real_kv_hash_mode
@@ -274,10 +272,10 @@ class SglangJaxCanary:
         if not self.warming:
             for hook in self.step_hooks:
                 hook(forward_batch)
-        model_def, state_def, leaves = self._model
-        outputs, self.state, snapshot = self._step_fn(
-            model_def, state_def, leaves, forward_batch, self.layout.kv_argument(),
-            logits_metadata, self.state)
+        self.state, ctx = self._head_fn(self.state, step_arrays(forward_batch),
+                                        decode=bool(forward_batch.forward_mode.is_decode()))
+        outputs = self._original(forward_batch, logits_metadata)
+        self.state, snapshot = self._tail_fn(self.state, ctx, self.layout.layers(outputs)[0])
         if self.warming:
             return outputs
         try:

@@ -1,15 +1,14 @@
 """sglang-jax's structures as the canary addresses them, for both runner layouts it supports.
 
-A ``ModelRunner`` is driven through one of two adapters, chosen by what the runner has (never by a
+A ``ModelRunner`` is handled by one of two adapters, chosen by what the runner has (never by a
 version string):
 
-- ``PoolsRunner``: sglang-jax's main branch. The model is called as
-  ``model(forward_batch, memory_pools, logits_metadata)`` with the ``MemoryPools`` pytree donated
-  and returns ``(output, pool_updates, flags, layers_topk_ids)``; ``ModelRunner._forward`` stores
-  the KV back with ``memory_pools.replace_all(pool_updates)``. Layer ``l``'s fused KV buffer is
+- ``PoolsRunner``: sglang-jax's main branch. Its ``jitted_run_model(forward_batch,
+  logits_metadata)`` donates the ``MemoryPools`` pytree and returns ``(output, pool_updates,
+  flags, layers_topk_ids)``; ``ModelRunner._forward`` stores the KV back with
+  ``memory_pools.replace_all(pool_updates)``. Layer ``l``'s fused KV buffer is
   ``[pages, page_size, 2 * kv_heads // packing, packing, head_dim]``.
-- ``LegacyRunner``: sglang-jax 0.0.2. The model is called as
-  ``model(forward_batch, token_to_kv_pool, logits_metadata)`` and returns
+- ``LegacyRunner``: sglang-jax 0.0.2. ``jitted_run_model`` donates ``token_to_kv_pool`` and returns
   ``(output, layers_kv_fused, flags)``; ``_set_kv_cache_after_forward`` stores the KV back. Layer
   ``l``'s fused KV buffer is ``[slots, 2 * kv_heads, head_dim]``.
 
@@ -32,6 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ...consts import RealKvHashMode
 from ...inputs import RealKvSource
@@ -114,29 +114,59 @@ def segment_starts(seq_lens, page_size: int, aligned: bool):
     return jnp.cumsum(span) - span
 
 
-def page_table_batch(forward_batch, *, page_size: int, aligned: bool) -> CanaryBatch:
-    """The ``CanaryBatch`` of an sglang-jax ``ForwardBatch`` (inside the jit), read from the step's
-    own page table ``cache_loc``.
+def _replicated(mesh):
+    """Inside the jit: an int32 copy of a batch array, replicated over ``mesh`` (sglang-jax shards
+    its batch arrays over the ``data`` axis; the canary's plan reads every row)."""
+    reshard = getattr(jax.sharding, "reshard", None)
+    spec = NamedSharding(mesh, PartitionSpec())
+
+    def get(x):
+        x = x.astype(jnp.int32)
+        return reshard(x, spec) if reshard is not None else x
+
+    return get
+
+
+def step_arrays(forward_batch) -> dict:
+    """The arrays of an sglang-jax ``ForwardBatch`` the canary reads (on the device): the page
+    table ``cache_loc``, the lengths, and the step's tokens (extend lengths are None in DECODE)."""
+    fb = forward_batch
+    return {k: getattr(fb, k) for k in ("req_pool_indices", "seq_lens", "extend_prefix_lens",
+                                         "extend_seq_lens", "cache_loc", "input_ids", "positions",
+                                         "out_cache_loc")}
+
+
+def page_table_batch(arrays: dict, *, decode: bool, page_size: int, aligned: bool,
+                     mesh) -> CanaryBatch:
+    """The ``CanaryBatch`` of a step (inside the jit), read from its own page table ``cache_loc``.
+
+    Args:
+      arrays: ``step_arrays(forward_batch)``.
+      decode: the step is a DECODE step (else EXTEND).
+      page_size, aligned: how attention reads ``cache_loc`` (``segment_starts``).
+      mesh: the engine's mesh (its batch arrays are sharded over ``data``; the plan reads them
+        replicated).
 
     Batch row ``r`` is live when ``req_pool_indices[r] >= 0`` (padding rows have -1 and
     ``seq_len`` 0); EXTEND rows take ``extend_prefix_lens`` / ``extend_seq_lens``, DECODE rows a
     prefix of ``seq_len - 1`` and one token. Padded tokens (id 0, position 0, ``out_cache_loc``
     -1) are skipped by the write."""
-    fb = forward_batch
-    live = (fb.req_pool_indices >= 0) & (fb.seq_lens > 0)
-    seq = jnp.where(live, fb.seq_lens, 0).astype(jnp.int32)
-    if fb.forward_mode.is_decode():
+    get = _replicated(mesh)
+    seq_lens = get(arrays["seq_lens"])
+    live = (get(arrays["req_pool_indices"]) >= 0) & (seq_lens > 0)
+    seq = jnp.where(live, seq_lens, 0)
+    if decode:
         prefix = jnp.where(live, seq - 1, 0)
         extend = live.astype(jnp.int32)
-    elif fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None:
-        prefix = jnp.where(live, fb.extend_prefix_lens, 0).astype(jnp.int32)
-        extend = jnp.where(live, fb.extend_seq_lens, 0).astype(jnp.int32)
+    elif arrays["extend_seq_lens"] is not None and arrays["extend_prefix_lens"] is not None:
+        prefix = jnp.where(live, get(arrays["extend_prefix_lens"]), 0)
+        extend = jnp.where(live, get(arrays["extend_seq_lens"]), 0)
     else:
-        raise ValueError(f"kv-canary: forward mode {fb.forward_mode!r} without extend lengths is "
-                         "not supported by the sglang-jax integration")
-    return CanaryBatch(live.astype(jnp.int32), prefix, extend, fb.cache_loc.astype(jnp.int32),
-                       fb.input_ids.astype(jnp.int32), fb.positions.astype(jnp.int32),
-                       fb.out_cache_loc.astype(jnp.int32),
+        raise ValueError("kv-canary: an EXTEND step without extend lengths is not supported by the "
+                         "sglang-jax integration")
+    return CanaryBatch(live.astype(jnp.int32), prefix, extend, get(arrays["cache_loc"]),
+                       get(arrays["input_ids"]), get(arrays["positions"]),
+                       get(arrays["out_cache_loc"]),
                        req_to_token_row_starts=segment_starts(seq, page_size, aligned))
 
 
@@ -151,12 +181,8 @@ def _need(ok: bool, what: str) -> None:
 class _Runner:
     """What the canary needs from one ``ModelRunner`` (subclasses: the two layouts)."""
 
-    #: the name of the KV argument of the model call (donated by the step)
-    kv_arg = ""
-
     def __init__(self, runner):
         _need(callable(getattr(runner, "jitted_run_model", None)), "jitted_run_model")
-        _need(getattr(runner, "model", None) is not None, "model")
         _need(getattr(runner, "mesh", None) is not None, "mesh")
         pool = getattr(runner, "token_to_kv_pool", None)
         _need(isinstance(getattr(pool, "kv_buffer", None), list), "token_to_kv_pool.kv_buffer list")
@@ -193,22 +219,10 @@ class _Runner:
         """Replace layer 0's fused KV buffer (fault injection)."""
         self.runner.token_to_kv_pool.kv_buffer[0] = array
 
-    def split_model(self):
-        """``(model_def, model_state_def, leaves)`` of the runner's current weights."""
-        from flax import nnx
-
-        model_def, model_state = nnx.split(self.runner.model)
-        leaves, state_def = jax.tree_util.tree_flatten(model_state)
-        return model_def, state_def, leaves
-
-    def kv_argument(self):
-        """The runner's KV argument of the model call (donated by the step)."""
-        raise NotImplementedError
-
     @staticmethod
-    def call_model(model, forward_batch, kv, logits_metadata) -> tuple:
-        """Inside the jit: ``(outputs, layers_kv_fused)``; ``outputs`` is what the runner's own
-        ``jitted_run_model`` returns."""
+    def layers(outputs) -> list:
+        """The per-layer fused KV buffers after the forward, from what ``jitted_run_model``
+        returned."""
         raise NotImplementedError
 
     def store_kv(self, outputs, forward_batch) -> None:
@@ -233,14 +247,10 @@ class PoolsRunner(_Runner):
             raise ValueError("kv-canary: the sglang-jax integration does not support models with "
                              "recurrent (linear attention) state")
 
-    def kv_argument(self):
-        return self.runner.memory_pools
-
     @staticmethod
-    def call_model(model, forward_batch, kv, logits_metadata):
-        output, updates, flags, topk = model(forward_batch, kv, logits_metadata)
-        layers = updates["token_to_kv_pool"] if isinstance(updates, dict) else updates
-        return (output, updates, flags, topk), layers
+    def layers(outputs):
+        updates = outputs[1]
+        return updates["token_to_kv_pool"] if isinstance(updates, dict) else updates
 
     def store_kv(self, outputs, forward_batch) -> None:
         updates = outputs[1]
@@ -259,13 +269,9 @@ class LegacyRunner(_Runner):
         _need(callable(getattr(runner, "_set_kv_cache_after_forward", None)),
               "_set_kv_cache_after_forward")
 
-    def kv_argument(self):
-        return self.runner.token_to_kv_pool
-
     @staticmethod
-    def call_model(model, forward_batch, kv, logits_metadata):
-        output, layers, flags = model(forward_batch, kv, logits_metadata)
-        return (output, layers, flags), layers
+    def layers(outputs):
+        return outputs[1]
 
     def store_kv(self, outputs, forward_batch) -> None:
         self.runner._set_kv_cache_after_forward(outputs[1], forward_batch)

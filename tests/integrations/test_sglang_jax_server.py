@@ -1,0 +1,213 @@
+"""sglang-jax's own HTTP server guarded by the launcher, end to end, against sglang-jax main.
+
+Each test starts ``python -m jax_kvcanary.integrations.sglang_jax.launch_server`` on 127.0.0.1
+with a tiny Qwen2 written at test time (config, seeded random weights in safetensors, a locally
+trained tokenizer) and talks to it over HTTP: ``/generate`` single and batched,
+``/v1/completions``, a prefix-cache hit, a chunked prefill (a prompt longer than
+``--chunked-prefill-size``), with the overlap scheduler on and off. The canary must not change a
+single output token, must compile nothing on the request path (sglang-jax's own
+``cache_miss_count`` stays 0), must report nothing on clean runs, and must report every fault the
+launcher plants (``--kv-canary-inject``) in the server's log within two steps. Servers are stopped
+by their process group.
+"""
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+try:
+    import sgl_jax  # noqa: F401
+except ModuleNotFoundError as exc:
+    pytest.skip(f"sglang-jax is not installed ({exc}); BUILD.md says how to install its main "
+                "branch", allow_module_level=True)
+from sgl_jax.srt.mem_cache import memory_pool  # noqa: E402  (a broken install fails here)
+
+if not hasattr(memory_pool, "MemoryPools"):
+    pytest.skip("this sglang-jax is a release without MemoryPools (0.0.2), whose HTTP server cannot "
+                "serve on the CPU; these tests need sglang-jax's main branch",
+                allow_module_level=True)
+
+from tests.support.sglang_server import LAUNCHER, TINY_ENGINE_ARGS, Server  # noqa: E402
+from tests.support.tiny_qwen2 import write_tiny_qwen2  # noqa: E402
+
+PROMPTS = ["what is the capital of france", "the key value cache holds the keys",
+           "numbers like 0 1 2 3 4 5", "alpha beta gamma delta"]
+PREFIX_HIT = PROMPTS[0] + " and why did the server answer wrong"
+LONG = " ".join(["a canary record per slot holds the token, its position and a hash"] * 10)
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_qwen2(str(tmp_path_factory.mktemp("tiny-qwen2")))
+
+
+def server(model_dir, tmp_path, *args, name="server"):
+    """An unstarted ``Server`` of the launcher with the tiny engine and ``args``."""
+    return Server(["--model-path", model_dir, *TINY_ENGINE_ARGS, *args],
+                  str(tmp_path / f"{name}.log"))
+
+
+def sequential(srv):
+    """One request at a time: ``(outputs, meta)``: the generated token ids (the completion's text)
+    of each request in order, and each ``/generate`` response's ``meta_info``."""
+    outs, metas = [], []
+
+    def keep(r):
+        outs.append(r["output_ids"])
+        metas.append(r["meta_info"])
+
+    keep(srv.generate(PROMPTS[0], 16))
+    outs.append(srv.completions(PROMPTS[3], 10)["choices"][0]["text"])
+    keep(srv.generate(PREFIX_HIT, 8))                               # prefix-cache hit
+    keep(srv.generate(LONG, 6))                                     # chunked prefill
+    return outs, metas
+
+
+def batched(srv):
+    """Two prompts in one ``/generate``: ``(outputs, meta)`` as ``sequential``."""
+    rs = srv.generate(PROMPTS[1:3], 12)
+    return [r["output_ids"] for r in rs], [r["meta_info"] for r in rs]
+
+
+def assert_clean(srv, outs, metas, reference):
+    assert outs == reference
+    assert [m["cache_miss_count"] for m in metas] == [0] * len(metas)   # nothing compiled
+    log = srv.log()
+    assert "kv-canary: installed (mode=" in log
+    assert srv.reports() == []
+    assert "Traceback" not in log
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory):
+    """The stock server (``--kv-canary none``, the non-overlap scheduler): the outputs of the
+    sequential and the batched requests."""
+    tmp = tmp_path_factory.mktemp("stock")
+    with server(model_dir, tmp, "--kv-canary", "none", "--disable-overlap-schedule",
+                name="stock") as srv:
+        seq, seq_meta = sequential(srv)
+        both, both_meta = batched(srv)
+        log = srv.log()
+    assert "kv-canary" not in log and "kv_canary" not in log        # exactly the stock server
+    assert seq_meta[1]["cached_tokens"] > 0                         # the prefix hit
+    assert seq_meta[2]["prompt_tokens"] > 2 * CHUNK                 # chunked prefill
+    assert [m["cache_miss_count"] for m in seq_meta + both_meta] == [0] * 5
+    return {"sequential": seq, "batched": both}
+
+
+def test_overlap_scheduler_same_text_no_violation(model_dir, tmp_path, reference):
+    """The overlap scheduler (sglang-jax's default), one request at a time. (Concurrent requests
+    under it: ``test_overlap_scheduler_page_table_race_is_reported``.)"""
+    with server(model_dir, tmp_path, "--kv-canary", "log", "--kv-canary-sweep-interval", "4") as srv:
+        outs, metas = sequential(srv)
+        assert_clean(srv, outs, metas, reference["sequential"])
+        assert "disable_overlap_schedule=False" in srv.log()
+
+
+def test_non_overlap_single_process_same_text(model_dir, tmp_path, reference):
+    with server(model_dir, tmp_path, "--kv-canary", "log", "--kv-canary-real-data", "all",
+                "--disable-overlap-schedule", "--enable-single-process") as srv:
+        outs, metas = sequential(srv)
+        assert_clean(srv, outs, metas, reference["sequential"])
+        outs, metas = batched(srv)
+        assert_clean(srv, outs, metas, reference["batched"])
+
+
+def test_page_size_4(model_dir, tmp_path, reference):
+    """Page size 4: the same text one request at a time, without a report. A batch of two is where
+    sglang-jax's native attention backend reads the page-aligned ``cache_loc`` at unaligned
+    offsets: the second request attends to the wrong slots, answers differently than alone, and
+    the canary reports it."""
+    with server(model_dir, tmp_path, "--kv-canary", "log", "--page-size", "4",
+                "--disable-overlap-schedule") as srv:
+        outs, metas = sequential(srv)
+        assert_clean(srv, outs, metas, reference["sequential"])
+        alone = [srv.generate(p, 12)["output_ids"] for p in PROMPTS[1:3]]
+        assert alone == reference["batched"]
+        assert srv.reports() == []
+        both, _ = batched(srv)
+        srv.generate(PROMPTS[0], 4)                                 # more steps: the readback
+    assert both[0] == alone[0] and both[1] != alone[1]
+    reasons = {why for _, why, _, _ in srv.reports()}
+    assert any("verify_position" in why for why in reasons), reasons
+
+
+INJECT_CASES = {
+    # kind: (extra launcher flags, expected (tag prefix, reason) of the first report)
+    "req_to_token_swap": ((), ("HEAD_", "verify_position")),
+    "slot_double_free": ((), ("HEAD_", "verify_position")),
+    "real_kv_used": ((), ("TAIL_K_FULL", "verify_real_kv_hash")),
+    "real_kv_unused_cache": (("--kv-canary-sweep-interval", "1"), ("SWEEP_K_FULL",
+                                                                   "verify_real_kv_hash")),
+    "wrong_position": ((), ("HEAD_", "write_position")),
+    "cache_loc_off_by_one": ((), ("HEAD_", "verify_position")),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(INJECT_CASES))
+def test_injected_fault_is_reported_within_two_steps(model_dir, tmp_path, kind):
+    extra, (tag, reason) = INJECT_CASES[kind]
+    with server(model_dir, tmp_path, "--kv-canary", "log", "--kv-canary-inject", kind,
+                "--kv-canary-inject-step", "4", *extra) as srv:
+        srv.generate(PROMPTS[3], 4)                                 # a cached prefix, unused later
+        srv.generate(PROMPTS[0], 24)                                # ~25 steps
+        injected = srv.injected()
+        assert injected is not None and injected[0] == kind, srv.log_tail()
+        step = injected[1]
+        hits = [(t, why, pumped) for t, why, _, pumped in srv.reports()
+                if t.startswith(tag) and reason in why.split("+")]
+    assert hits, f"no {tag}* {reason} report after the {kind} at step {step}:\n{srv.log_tail()}"
+    assert hits[0][2] <= step + 2, (step, hits[0])
+
+
+def test_raise_mode_ends_the_server_with_the_report(model_dir, tmp_path):
+    srv = server(model_dir, tmp_path, "--kv-canary", "raise", "--kv-canary-inject", "real_kv_used",
+                 "--kv-canary-inject-step", "3").start()
+    try:
+        failed = []
+
+        def request():
+            try:
+                srv.generate(PROMPTS[0], 40)
+            except Exception as e:                  # the reply is cut off, never a hang
+                failed.append(e)
+
+        t = threading.Thread(target=request)
+        t.start()
+        code = srv.wait(timeout=120)
+        t.join(timeout=60)
+        assert code is not None and code != 0, srv.log_tail()
+        assert not t.is_alive() and failed
+        assert any(tag == "TAIL_K_FULL" and "verify_real_kv_hash" in why
+                   for tag, why, _, _ in srv.reports()), srv.log_tail()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("args, refused", [
+    (["--tp-size", "2"], "kv-canary: --tp-size 2 is not supported"),
+    (["--dp-size", "2"], "kv-canary: --dp-size 2 is not supported"),
+    (["--kv-canary-inject", "real_kv_unused_cache"],
+     "kv-canary: --kv-canary-inject real_kv_unused_cache without sweeps is not supported"),
+    (["--attention-backend", "fa_mha"], "kv-canary: --attention-backend fa_mha is not supported"),
+])
+def test_unsupported_settings_are_refused_before_start(model_dir, args, refused):
+    cmd = [sys.executable, "-m", LAUNCHER, "--kv-canary", "log", "--model-path", model_dir,
+           "--device", "cpu", "--port", "1", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("kv-canary:")]
+    assert len(lines) == 1 and lines[0].startswith(refused), r.stderr[-2000:]
+
+
+def test_bad_canary_flags_exit_2(model_dir):
+    for args in (["--kv-canary", "warn"], ["--kv-canary-inject", "nope"],
+                 ["--kv-canary", "none", "--kv-canary-inject", "real_kv_used"]):
+        r = subprocess.run([sys.executable, "-m", LAUNCHER, *args, "--model-path", model_dir],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2, (args, r.stderr[-1000:])
