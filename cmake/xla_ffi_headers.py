@@ -49,10 +49,14 @@ def api_version(include_dir: str) -> tuple[int, int]:
 
 def pinned_jaxlib(pyproject: str) -> str:
     """X of the ``jaxlib==X`` build requirement (the oldest supported jaxlib)."""
-    import tomllib
-
-    with open(pyproject, "rb") as f:
-        requires = tomllib.load(f)["build-system"]["requires"]
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10 (a plain CMake build; pip needs 3.11): the quoted strings
+        with open(pyproject) as f:
+            requires = re.findall(r'"([^"]*)"', f.read().split("[project]")[0])
+    else:
+        with open(pyproject, "rb") as f:
+            requires = tomllib.load(f)["build-system"]["requires"]
     for req in requires:
         m = re.fullmatch(r"\s*jaxlib\s*==\s*([0-9][0-9.]*)\s*", req)
         if m:
