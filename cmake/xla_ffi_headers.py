@@ -58,7 +58,7 @@ def pinned_jaxlib(pyproject: str) -> str:
         with open(pyproject, "rb") as f:
             requires = tomllib.load(f)["build-system"]["requires"]
     for req in requires:
-        m = re.fullmatch(r"\s*jaxlib\s*==\s*([0-9][0-9.]*)\s*", req)
+        m = re.fullmatch(r"\s*jaxlib\s*==\s*([0-9][0-9.]*)\s*(;.*)?", req)  # with a marker or not
         if m:
             return m.group(1)
     raise SystemExit(f"no jaxlib==X pin in [build-system] requires of {pyproject}: {requires}")

@@ -28,7 +28,7 @@ quiet() {  # run a command; show its output (less pip's index notices) only if i
 
 pin=$("$py" -c "import tomllib, re, sys
 reqs = tomllib.load(open(sys.argv[1], 'rb'))['build-system']['requires']
-print(next(m.group(1) for r in reqs if (m := re.fullmatch(r'\s*jaxlib\s*==\s*([0-9.]+)\s*', r))))" \
+print(next(m.group(1) for r in reqs if (m := re.fullmatch(r'\s*jaxlib\s*==\s*([0-9.]+)\s*(;.*)?', r))))" \
   "$root/pyproject.toml")
 echo "python: $("$py" -c 'import sys; print(sys.version.split()[0])') ($py); oldest supported jaxlib (build pin): $pin"
 
