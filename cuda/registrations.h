@@ -1,8 +1,9 @@
 // registrations.h: what both nanobind modules export, registrations() -> {FFI target name: capsule}
-// and build_info() -> {"jaxlib": version string, "ffi_api": (major, minor)}.
+// and build_info() -> {"jaxlib": the jaxlib whose XLA FFI headers compiled the handlers (CMake),
+// "ffi_api": (major, minor) of those headers}.
 // One target name per op on every platform: each module passes its own platform's four handlers and
-// jax_kvcanary/_ffi.py registers them for that platform, unless the running jaxlib is older than the
-// one the handlers were compiled against (it may refuse their XLA FFI API version).
+// jax_kvcanary/_ffi.py registers them for that platform, unless the running jaxlib's XLA FFI API is
+// older than "ffi_api" or of another major version (it would refuse the handlers).
 #pragma once
 
 #include <nanobind/nanobind.h>

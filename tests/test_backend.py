@@ -183,30 +183,61 @@ def test_describe_reports_the_native_backend_here():
     assert backend.describe("tpu")[0] == "xla"
 
 
-def test_build_mismatch_refuses_only_a_running_jaxlib_older_than_the_build():
-    info = {"jaxlib": "0.10.2", "ffi_api": (0, 3)}
-    assert _ffi.build_mismatch(info, "0.10.2") is None
-    assert _ffi.build_mismatch(info, "0.11.0") is None
-    why = _ffi.build_mismatch(info, "0.8.3")
-    assert "jaxlib 0.10.2 (XLA FFI API 0.3)" in why and "running jaxlib 0.8.3" in why
-    assert "--no-build-isolation" in why
+def test_build_mismatch_refuses_only_an_older_or_other_major_running_ffi_api():
+    info = {"jaxlib": "0.8.3", "ffi_api": (0, 2)}
+    assert _ffi.build_mismatch(info, (0, 2), "0.8.3") is None        # the build's own API
+    assert _ffi.build_mismatch(info, (0, 3), "0.10.2") is None       # newer minor: accepted
+    assert _ffi.build_mismatch(info, (0, 5), "0.12.0.1") is None
+    why = _ffi.build_mismatch(info, (0, 1), "0.7.2")
+    assert "XLA FFI API 0.2 (jaxlib 0.8.3's headers)" in why and "running jaxlib 0.7.2" in why
+    assert "API 0.1 (older)" in why and "--no-build-isolation" in why
+    why = _ffi.build_mismatch(info, (1, 0), "1.0.0")
+    assert "API 1.0 (another major version)" in why
+    newer = {"jaxlib": "0.12.0.1", "ffi_api": (0, 5)}               # e.g. built with the env's headers
+    assert "API 0.2 (older)" in _ffi.build_mismatch(newer, (0, 2), "0.8.3")
 
 
-def test_this_build_records_the_jaxlib_it_was_compiled_against():
+def test_build_mismatch_without_the_running_api_compares_jaxlib_versions():
+    info = {"jaxlib": "0.8.3", "ffi_api": (0, 2)}
+    assert _ffi.build_mismatch(info, None, "0.8.3") is None
+    assert _ffi.build_mismatch(info, None, "0.12.0.1") is None
+    assert "ships no XLA FFI headers" in _ffi.build_mismatch(info, None, "0.8.2")
+    assert "ships no XLA FFI headers" in _ffi.build_mismatch({"jaxlib": "unknown", "ffi_api": (0, 2)}, None, "0.9")
+
+
+def test_the_running_ffi_api_is_read_from_jaxlibs_headers():
+    api = _ffi.running_ffi_api()
+    with open(os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")) as f:
+        text = f.read()
+    assert api is not None and len(api) == 2
+    assert f"#define XLA_FFI_API_MAJOR {api[0]}" in text and f"#define XLA_FFI_API_MINOR {api[1]}" in text
+
+
+def test_this_build_records_an_ffi_api_the_running_jaxlib_accepts():
     import jaxlib.version
 
     if _ffi._kvcanary is None:
         pytest.skip("no native CPU module")
     info = _ffi._kvcanary.build_info()
-    assert info["jaxlib"] == jaxlib.version.__version__       # built in this environment
-    assert len(info["ffi_api"]) == 2
+    running = _ffi.running_ffi_api()
+    assert len(info["ffi_api"]) == 2 and info["ffi_api"][0] == running[0] and info["ffi_api"][1] <= running[1]
+    # the pinned oldest jaxlib's headers, or this environment's when it is not newer than the pin
+    assert _ffi._version(info["jaxlib"]) <= _ffi._version(jaxlib.version.__version__)
+    assert _ffi.build_mismatch(info, running, jaxlib.version.__version__) is None
 
 
 _OLDER_JAXLIB_SCRIPT = textwrap.dedent("""
-    import warnings
+    import os, tempfile, warnings
     import jax, jax.numpy as jnp
     import jaxlib.version
-    jaxlib.version.__version__ = "0.0.1"              # as if an older jaxlib were running
+    # as if an older jaxlib were running: its version and the XLA FFI API of the headers it ships
+    fake_dir = tempfile.TemporaryDirectory()
+    fake = fake_dir.name
+    os.makedirs(os.path.join(fake, "xla", "ffi", "api"))
+    with open(os.path.join(fake, "xla", "ffi", "api", "c_api.h"), "w") as f:
+        f.write("#define XLA_FFI_API_MAJOR 0\\n#define XLA_FFI_API_MINOR 0\\n")
+    jax.ffi.include_dir = lambda: fake
+    jaxlib.version.__version__ = "0.0.1"
     import jax_kvcanary as kvc
     from jax_kvcanary import _ffi, backend
     print("NATIVE", sorted(_ffi.NATIVE_PLATFORMS))
@@ -228,5 +259,5 @@ def test_an_older_running_jaxlib_gets_the_pure_jax_backend_and_a_warning():
     assert r.returncode == 0, r.stderr[-3000:]
     out = dict(line.split(" ", 1) for line in r.stdout.strip().splitlines())
     assert out["NATIVE"] == "[]"
-    assert "was not registered" in out["MESSAGE"] and "running jaxlib 0.0.1" in out["MESSAGE"]
+    assert "was not registered" in out["MESSAGE"] and "running jaxlib 0.0.1 has XLA FFI API 0.0" in out["MESSAGE"]
     assert out["SUM"] == "6"

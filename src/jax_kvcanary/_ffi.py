@@ -8,6 +8,7 @@ Python ``1``, ``True`` and ``np.int32(1)`` share a compile-cache entry.
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -50,34 +51,66 @@ VMAP_METHOD = "sequential"
 
 
 def _version(text: str) -> tuple:
-    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:4])
 
 
-def build_mismatch(build_info: dict, running_jaxlib: str) -> str | None:
+def running_ffi_api() -> tuple | None:
+    """``(major, minor)`` XLA FFI API version of the running jaxlib, or None if unknown.
+
+    Read from the headers that jaxlib ships with its build (``jax.ffi.include_dir()``, the same
+    XLA commit as its runtime); no backend is started.
+    """
+    try:
+        with open(os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")) as f:
+            text = f.read()
+    except (OSError, RuntimeError, AttributeError):
+        return None
+    found = [re.search(rf"^#define XLA_FFI_API_{part}\s+(\d+)", text, re.M) for part in ("MAJOR", "MINOR")]
+    return (int(found[0].group(1)), int(found[1].group(1))) if all(found) else None
+
+
+_REBUILD = ("rebuild it: pip install --force-reinstall --no-deps <jax_kvcanary source> (an isolated "
+            "build compiles against the oldest supported jaxlib's headers, which every newer jaxlib "
+            "accepts), or, for a jaxlib older than that, pip install --no-build-isolation "
+            "--force-reinstall --no-deps <jax_kvcanary source> in this environment (BUILD.md, "
+            "Troubleshooting)")
+
+
+def build_mismatch(build_info: dict, running_api: tuple | None, running_jaxlib: str) -> str | None:
     """Why a native module must not be registered with the running jaxlib, or None.
 
-    A jaxlib older than the one whose FFI headers compiled the handlers may refuse their XLA FFI API
-    version, and it does so when the CPU client starts, which breaks every JAX computation on that
-    platform, not only this package's ops. An isolated ``pip install`` builds against the newest
-    jax in the package registry, so this happens in environments that pin an older jax.
+    XLA accepts FFI handlers compiled against its own XLA FFI API version or an older minor version
+    of the same major version. A handler of a newer API version is refused when the CPU client
+    starts, which breaks every JAX computation on that platform, not only this package's ops. So the
+    module is refused when the running API (``running_ffi_api()``) is older than the one it was
+    compiled against, or of another major version. When the running API is unknown, the jaxlib
+    versions stand in for it (the API version never decreases from one jaxlib to the next).
     """
-    built = build_info["jaxlib"]
-    if _version(built) <= _version(running_jaxlib):
+    built = tuple(build_info["ffi_api"])
+    built_jaxlib = build_info["jaxlib"]
+    compiled = (f"the native module was compiled against XLA FFI API {built[0]}.{built[1]} "
+                f"(jaxlib {built_jaxlib}'s headers)")
+    if running_api is None:
+        if _version(built_jaxlib) and _version(built_jaxlib) <= _version(running_jaxlib):
+            return None
+        return (f"{compiled}, and the running jaxlib {running_jaxlib} ships no XLA FFI headers to tell "
+                f"its API version by, so it may refuse the handlers; {_REBUILD}")
+    running = tuple(running_api)
+    if running[0] == built[0] and running[1] >= built[1]:
         return None
-    major, minor = build_info["ffi_api"]
-    return (f"the native module was compiled against jaxlib {built} (XLA FFI API {major}.{minor}), "
-            f"newer than the running jaxlib {running_jaxlib}, which may refuse its handlers; rebuild "
-            "it in this environment: pip install scikit-build-core nanobind cmake ninja, then pip "
-            "install --no-build-isolation --force-reinstall --no-deps <jax_kvcanary source> "
-            "(BUILD.md, Troubleshooting)")
+    why = "another major version" if running[0] != built[0] else "older"
+    return (f"{compiled}, and the running jaxlib {running_jaxlib} has XLA FFI API "
+            f"{running[0]}.{running[1]} ({why}), which refuses handlers of a newer or another major "
+            f"API version; {_REBUILD}")
 
 
 def _register() -> frozenset:
     platforms = set()
+    running_api = running_ffi_api()
     for module, platform, name in ((_kvcanary, "cpu", "cpu"), (_kvcanary_cuda, "CUDA", "gpu")):
         if module is None:
             continue
-        why = build_mismatch(module.build_info(), jaxlib.version.__version__)
+        why = build_mismatch(module.build_info(), running_api, jaxlib.version.__version__)
         if why is not None:
             REFUSED[name] = why
             continue
