@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 
 from jax_kvcanary.integrations import sglang_jax_tiny as tiny
+from tests.support.sglang_server import installed_sglang_jax
 
+if installed_sglang_jax() != "0.0.2":
+    pytest.skip("these in-process tests drive sglang-jax 0.0.2's ModelWorker (pip install "
+                "'jax_kvcanary[sglang-jax]'); sglang-jax main is tested through its HTTP server "
+                "(test_sglang_jax_server.py)", allow_module_level=True)
 tiny.set_flax_env()                                  # before sgl_jax imports flax
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-try:
-    import sgl_jax  # noqa: F401
-except Exception as exc:  # ImportError, or a broken install
-    pytest.skip(f"sglang-jax (sgl_jax) is not importable: {exc!r}; "
-                "pip install 'jax_kvcanary[sglang-jax]'", allow_module_level=True)
+import sgl_jax  # noqa: E402,F401  (a broken install fails here, it does not skip)
 
 import jax  # noqa: E402
 
@@ -103,44 +104,39 @@ def test_clean_run_no_violation_same_tokens_no_recompile(engine):
         assert counters.kernel_runs[0, tag] > 0
         assert counters.verified[0, tag] > 0, tag.name
     assert c.sweeps >= 3 and c.monitor.health.checks >= 1
-    # one compile per engine bucket (EXTEND and DECODE), however many steps
-    assert c._step_fn._cache_size() == 2
+    # HEAD and TAIL compile once per engine bucket (EXTEND and DECODE), however many steps
+    assert c._head_fn._cache_size() == 2 and c._tail_fn._cache_size() == 2
     out2, c = serve(engine)
-    assert out2 == engine.reference and c._step_fn._cache_size() == 2
+    assert out2 == engine.reference
+    assert c._head_fn._cache_size() == 2 and c._tail_fn._cache_size() == 2
 
 
-def test_kv_pool_and_canary_state_donated_together(engine):
-    """The compiled step aliases every layer's KV buffer and every canary state buffer to its
-    output (no copy of either), as the engine alone donates its KV pool."""
+def test_canary_state_donated_and_kv_read_in_place(engine):
+    """HEAD and TAIL alias every canary state buffer to their output (no copy), and TAIL reads
+    layer 0's KV buffer in place (the engine's own call donates the KV pool, as without the
+    canary)."""
     import re
 
-    from sgl_jax.srt.layers.logits_processor import LogitsMetadata
     from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch
+
+    from jax_kvcanary.integrations.sglang_jax.layout import step_arrays
 
     engine.reset()
     c = engine.canary
     c.reset()
-    c.install()
-    try:
-        batch = engine.prefill([tiny.Request("d", list(range(3, 30)), 4)])
-        batch.prepare_for_decode()
-        mwb = batch.get_model_worker_batch(*engine.paddings, 1)
-        fb = ForwardBatch.init_new(mwb, engine.runner)
-        lm = LogitsMetadata.from_model_worker_batch(mwb, engine.mesh)
-        rows = kvc_sgl.batch_rows(engine.req_to_token_pool.req_to_token,
-                                  np.asarray(fb.req_pool_indices))
-        md, sd, leaves = c._model
-        hlo = c._step_fn.lower(md, sd, leaves, fb, engine.runner.token_to_kv_pool, lm, c.state,
-                               rows).compile().as_text()
-    finally:
-        c.uninstall()
-    header = hlo.splitlines()[0]
-    aliased = len(re.findall(r"may-alias|must-alias", header))
-    n_kv = len(engine.kv_buffer)
+    batch = engine.prefill([tiny.Request("d", list(range(3, 30)), 4)])
+    batch.prepare_for_decode()
+    mwb = batch.get_model_worker_batch(*engine.paddings, 1)
+    fb = ForwardBatch.init_new(mwb, engine.runner)
     n_state = len(jax.tree_util.tree_leaves(c.state))
-    assert aliased == n_kv + n_state, header[:400]
+    head = c._head_fn.lower(c.state, step_arrays(fb), decode=True).compile()
+    state, ctx = head(c.state, step_arrays(fb))
+    tail_hlo = c._tail_fn.lower(state, ctx, engine.kv_buffer[0]).compile().as_text()
+    for hlo in (head.as_text(), tail_hlo):
+        header = hlo.splitlines()[0]
+        assert len(re.findall(r"may-alias|must-alias", header)) >= n_state, header[:400]
     kv_shape = "f32[" + ",".join(map(str, engine.kv_buffer[0].shape)) + "]"
-    assert not re.search(re.escape(kv_shape) + r"\S* copy\(", hlo)
+    assert not re.search(re.escape(kv_shape) + r"\S* copy\(", tail_hlo)
 
 
 def extend_prefixes(log):
@@ -353,7 +349,7 @@ def test_install_is_idempotent_and_follows_a_rejitted_runner(engine):
     runner.initialize_jit()                  # the engine rebuilds its jitted call (new weights)
     assert not c.installed
     rejitted = runner.jitted_run_model
-    c.install()                              # wraps the new one and takes the current weights
+    c.install()                              # wraps the new one
     assert c.installed and c._original is rejitted
     c.uninstall()
     assert runner.jitted_run_model is rejitted
@@ -362,11 +358,14 @@ def test_install_is_idempotent_and_follows_a_rejitted_runner(engine):
 def test_install_into_scheduler_uses_its_runner_and_radix_cache(engine):
     import types
 
+    launched = []
     sched = types.SimpleNamespace(tp_worker=engine.worker, tree_cache=engine.tree_cache,
-                                  enable_overlap=False)
+                                  enable_overlap=False, run_batch=launched.append)
     c = kvc_sgl.install_into_scheduler(sched, CONFIG)
     try:
         assert c.installed and c.runner is engine.runner and c.tree_cache is engine.tree_cache
+        sched.run_batch("batch")                       # the hook counts launches, then launches
+        assert launched == ["batch"] and c.launches == 1 and not c.sweeps_from_wrapper
     finally:
         c.uninstall()
     assert kvc_sgl.install_into_scheduler(sched, CONFIG.replace(mode="none")) is None

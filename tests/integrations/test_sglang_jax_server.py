@@ -18,20 +18,16 @@ import threading
 
 import pytest
 
-try:
-    import sgl_jax  # noqa: F401
-except ModuleNotFoundError as exc:
-    pytest.skip(f"sglang-jax is not installed ({exc}); BUILD.md says how to install its main "
-                "branch", allow_module_level=True)
-from sgl_jax.srt.mem_cache import memory_pool  # noqa: E402  (a broken install fails here)
+from tests.support.sglang_server import LAUNCHER, TINY_ENGINE_ARGS, Server, installed_sglang_jax
+from tests.support.tiny_qwen2 import write_tiny_qwen2
 
-if not hasattr(memory_pool, "MemoryPools"):
-    pytest.skip("this sglang-jax is a release without MemoryPools (0.0.2), whose HTTP server cannot "
-                "serve on the CPU; these tests need sglang-jax's main branch",
+if installed_sglang_jax() is None:
+    pytest.skip("sglang-jax is not installed; BUILD.md says how to install its main branch",
                 allow_module_level=True)
-
-from tests.support.sglang_server import LAUNCHER, TINY_ENGINE_ARGS, Server  # noqa: E402
-from tests.support.tiny_qwen2 import write_tiny_qwen2  # noqa: E402
+if installed_sglang_jax() != "main":
+    pytest.skip("this sglang-jax is the 0.0.2 release, whose HTTP server cannot serve on the CPU; "
+                "these tests need sglang-jax's main branch", allow_module_level=True)
+import sgl_jax.launch_server  # noqa: E402,F401  (a broken install fails here, it does not skip)
 
 PROMPTS = ["what is the capital of france", "the key value cache holds the keys",
            "numbers like 0 1 2 3 4 5", "alpha beta gamma delta"]

@@ -1,16 +1,21 @@
-"""The sglang-jax integration's pieces that need no sglang-jax: flags, the batch-row table, the
-radix-cache chains, the runner checks, and that importing the package never imports sglang-jax."""
+"""The sglang-jax integration's pieces that need no sglang-jax: flags, the runner layouts and their
+refusals, the real-KV sources of both fused KV layouts, the page-table batch, the radix-cache
+chains, the launcher's refusals, and that importing the package never imports sglang-jax."""
 
 import argparse
 import subprocess
 import sys
 import types
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_kvcanary import hashing
 from jax_kvcanary.consts import RealKvHashMode
 from jax_kvcanary.integrations import sglang_jax as kvc_sgl
+from jax_kvcanary.integrations.sglang_jax import layout
 from jax_kvcanary.runtime import CanaryConfig
 
 
@@ -39,32 +44,157 @@ def test_flags_parse_into_config():
 
 def test_install_none_installs_nothing_and_bad_runners_are_refused():
     assert kvc_sgl.install(object(), CanaryConfig(mode="none")) is None
-    newer = types.SimpleNamespace(memory_pools=object(), jitted_run_model=lambda *a: None)
     with pytest.raises(TypeError, match="^kv-canary: this sglang-jax model runner has no "
-                                        "token_to_kv_pool-only layout"):
-        kvc_sgl.install(newer, CanaryConfig(mode="log"))
+                                        "jitted_run_model"):
+        kvc_sgl.install(types.SimpleNamespace(), CanaryConfig(mode="log"))
     with pytest.raises(ValueError, match="^kv-canary: sweep_interval > 0 needs the scheduler's"):
         kvc_sgl.install(object(), CanaryConfig(mode="log", sweep_interval=4))
     with pytest.raises(ValueError, match="^kv-canary: sweeps walk a RadixCache; this tree_cache "
                                          "is a ChunkCache"):
         kvc_sgl.install(object(), CanaryConfig(mode="log", sweep_interval=4),
                         tree_cache=type("ChunkCache", (), {})())
-    overlap = types.SimpleNamespace(enable_overlap=True)
-    with pytest.raises(ValueError, match="^kv-canary: the sglang-jax integration needs the "
-                                         "non-overlap scheduler"):
-        kvc_sgl.install_into_scheduler(overlap, CanaryConfig(mode="log"))
 
 
-def test_batch_rows_reserve_row_zero_for_padding():
-    rt = np.arange(5 * 6, dtype=np.int32).reshape(5, 6)
-    rows = kvc_sgl.batch_rows(rt, np.array([3, 0, -1, -1], np.int32))
-    assert rows.shape == (5, 6) and rows.dtype == np.int32
-    np.testing.assert_array_equal(rows[0], 0)
-    np.testing.assert_array_equal(rows[1], rt[3])
-    np.testing.assert_array_equal(rows[2], rt[0])       # engine row 0 is a real request
-    np.testing.assert_array_equal(rows[3:], 0)
-    rt[3, 0] = -7                                        # a private copy: later edits do not leak
-    assert rows[1, 0] == 18
+def fake_runner(kv0, **kw):
+    pool = types.SimpleNamespace(kv_buffer=[kv0])
+    attrs = dict(jitted_run_model=lambda fb, lm: None, mesh=object(), token_to_kv_pool=pool,
+                 memory_pools=types.SimpleNamespace(_pools={"token_to_kv_pool": pool},
+                                                    replace_all=lambda u: None),
+                 page_size=1, server_args=types.SimpleNamespace(attention_backend="native"))
+    attrs.update(kw)
+    return types.SimpleNamespace(**attrs)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(tp_size=2), "supports tp_size=1 only"),
+    (dict(dp_size=2), "supports dp_size=1 only"),
+    (dict(use_mla_backend=True), "does not support MLA"),
+    (dict(is_hybrid=True), "does not support hybrid sliding-window"),
+    (dict(server_args=types.SimpleNamespace(attention_backend="fa_mha")),
+     "attention backend 'fa_mha' is not supported"),
+    (dict(linear_recurrent_config=object()), "recurrent"),
+])
+def test_runner_layouts_refuse_what_they_cannot_cover(change, message):
+    kv0 = np.zeros((9, 1, 4, 1, 8), np.float32)
+    with pytest.raises(ValueError, match=message):
+        layout.runner_layout(fake_runner(kv0, **change))
+
+
+def test_runner_layout_is_chosen_by_what_the_runner_has():
+    main = layout.runner_layout(fake_runner(np.zeros((5, 4, 4, 1, 8), np.float32), page_size=4))
+    assert isinstance(main, layout.PoolsRunner) and main.geometry.num_slots == 20
+    legacy = fake_runner(np.zeros((9, 4, 8), np.float32), _set_kv_cache_after_forward=print)
+    del legacy.memory_pools
+    old = layout.runner_layout(legacy)
+    assert isinstance(old, layout.LegacyRunner) and old.geometry.num_slots == 9
+    with pytest.raises(ValueError, match="^kv-canary: expected layer 0's fused KV buffer"):
+        layout.fused_geometry(np.zeros((9, 3, 8), np.float32))
+    with pytest.raises(ValueError, match="^kv-canary: a KV head must be a multiple of 16 bytes"):
+        layout.fused_geometry(np.zeros((9, 4, 3), np.float32))
+
+
+@pytest.mark.parametrize("shape", [(6, 1, 4, 1, 8), (3, 2, 4, 1, 8), (2, 3, 2, 2, 8), (6, 4, 8)])
+@pytest.mark.parametrize("mode", [RealKvHashMode.PARTIAL, RealKvHashMode.ALL])
+def test_real_kv_sources_fold_the_slot_s_k_and_v_head_zero_bytes(shape, mode):
+    """Each layout addresses slot s's token row in place: K = the row's first bytes (K head 0),
+    V = V head 0's first 16 bytes (PARTIAL) or the whole row (ALL), heads interleaved K0 V0 K1
+    V1 (packed in pairs for the 2-byte-packing layout)."""
+    rng = np.random.default_rng(0)
+    kv = rng.standard_normal(shape).astype(np.float32)
+    geo = layout.fused_geometry(kv)
+    srcs = layout.real_kv_sources(jnp.asarray(kv), mode)
+    rows = kv.reshape(geo.num_slots, geo.token_elems)           # token row s, heads K0 V0 K1 ...
+    for s in range(geo.num_slots):
+        row = rows[s].view(np.uint8)
+        k = row[:16] if mode == RealKvHashMode.PARTIAL else row
+        v = (row[geo.head_elems * 4: geo.head_elems * 4 + 16] if mode == RealKvHashMode.PARTIAL
+             else row)
+        for half, want in (("K", k), ("V", v)):
+            got = hashing.slot_real_kv_hash((srcs[half],), s, int(mode))
+            assert got == hashing.real_kv_hash([want]), (half, s)
+
+
+def test_segment_starts_follow_the_attention_backend():
+    seq = jnp.asarray(np.array([5, 1, 8, 0], np.int32))
+    assert layout.segment_starts(seq, 4, aligned=True).tolist() == [0, 8, 12, 20]
+    assert layout.segment_starts(seq, 4, aligned=False).tolist() == [0, 5, 6, 14]
+    assert layout.segment_starts(seq, 1, aligned=True).tolist() == [0, 5, 6, 14]
+
+
+def test_page_table_batch_reads_the_step_s_own_arrays():
+    mesh = jax.make_mesh((1,), ("data",))
+    arrays = dict(req_pool_indices=np.array([3, 0, -1], np.int32),
+                  seq_lens=np.array([5, 2, 0], np.int32),
+                  extend_prefix_lens=np.array([3, 0, 0], np.int32),
+                  extend_seq_lens=np.array([2, 2, 0], np.int32),
+                  cache_loc=np.arange(12, dtype=np.int32), input_ids=np.arange(8, dtype=np.int32),
+                  positions=np.array([3, 4, 0, 1, 0, 0, 0, 0], np.int32),
+                  out_cache_loc=np.array([4, 5, 6, 7, -1, -1, -1, -1], np.int32))
+    b = layout.page_table_batch({k: jnp.asarray(v) for k, v in arrays.items()}, decode=False,
+                                page_size=4, aligned=True, mesh=mesh)
+    assert b.req_pool_indices.tolist() == [1, 1, 0]      # engine row 0 is a live request
+    assert b.prefix_lens.tolist() == [3, 0, 0] and b.extend_seq_lens.tolist() == [2, 2, 0]
+    assert b.req_to_token_row_starts.tolist() == [0, 8, 12] and b.is_page_table
+    arrays.update(seq_lens=np.array([6, 3, 0], np.int32), extend_prefix_lens=None,
+                  extend_seq_lens=None)
+    d = layout.page_table_batch({k: None if v is None else jnp.asarray(v)
+                                 for k, v in arrays.items()},
+                                decode=True, page_size=1, aligned=False, mesh=mesh)
+    assert d.prefix_lens.tolist() == [5, 2, 0] and d.extend_seq_lens.tolist() == [1, 1, 0]
+    assert d.req_to_token_row_starts.tolist() == [0, 6, 9]
+
+
+def server_args(**kw):
+    a = dict(tp_size=1, dp_size=1, speculative_algorithm=None, enable_lora=False, multimodal=False,
+             disaggregation_mode="null", pd_disaggregation="", hicache_storage="disable",
+             attention_backend="native", disable_radix_cache=False,
+             enable_unified_radix_tree=False)
+    a.update(kw)
+    return types.SimpleNamespace(**a)
+
+
+def test_refusals_name_the_setting_and_the_fix():
+    from jax_kvcanary.integrations.sglang_jax.inject import InjectSpec
+    from jax_kvcanary.integrations.sglang_jax.server import refusals
+
+    log = CanaryConfig(mode="log")
+    assert refusals(server_args(), log, environ={}) == []
+    assert refusals(server_args(tp_size=4), CanaryConfig(mode="none"), environ={}) == []
+    cases = [
+        (dict(tp_size=2), "kv-canary: --tp-size 2 is not supported"),
+        (dict(dp_size=2), "kv-canary: --dp-size 2 is not supported"),
+        (dict(speculative_algorithm="EAGLE"), "kv-canary: --speculative-algorithm EAGLE"),
+        (dict(enable_lora=True), "kv-canary: --enable-lora is not supported"),
+        (dict(hicache_storage="file"), "kv-canary: --hicache-storage file is not supported"),
+        (dict(attention_backend="fa_mha"), "kv-canary: --attention-backend fa_mha"),
+        (dict(pd_disaggregation="pathways"), "kv-canary: --pd-disaggregation pathways"),
+    ]
+    for change, text in cases:
+        got = refusals(server_args(**change), log, environ={})
+        assert len(got) == 1 and got[0].startswith(text) and "; " in got[0], got
+    got = refusals(server_args(), log, environ={"SGLANG_JAX_AOT_DISPATCH": "1"})
+    assert len(got) == 1 and got[0].startswith("kv-canary: SGLANG_JAX_AOT_DISPATCH=1")
+    swept = CanaryConfig(mode="log", sweep_interval=4)
+    assert refusals(server_args(disable_radix_cache=True), swept, environ={})[0].startswith(
+        "kv-canary: --kv-canary-sweep-interval 4 with --disable-radix-cache")
+    got = refusals(server_args(), log, InjectSpec("real_kv_unused_cache"), environ={})
+    assert got and "add --kv-canary-sweep-interval" in got[0]
+
+
+def test_launcher_rejects_bad_canary_flags_before_importing_sglang_jax():
+    from jax_kvcanary.integrations.sglang_jax import launch_server
+
+    for argv in (["--kv-canary", "warn"], ["--kv-canary-inject", "nope"]):
+        with pytest.raises(SystemExit) as ei:
+            launch_server.main(argv)
+        assert ei.value.code == 2
+    assert launch_server.main(["--kv-canary", "none", "--kv-canary-inject", "real_kv_used"]) == 2
+    assert launch_server.main(["--kv-canary", "log", "--kv-canary-inject-step", "0",
+                               "--kv-canary-inject", "wrong_position"]) == 2
+    code = ("import sys; from jax_kvcanary.integrations.sglang_jax.launch_server import main; "
+            "assert main(['--kv-canary', 'none', '--kv-canary-inject', 'real_kv_used']) == 2; "
+            "assert 'sgl_jax' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
 def test_radix_chains_follow_the_tree():

@@ -150,3 +150,18 @@ class Server:
         """``/v1/completions`` (greedy): the response dict."""
         return self.post("/v1/completions", {"model": "tiny", "prompt": prompt,
                                              "max_tokens": max_tokens, "temperature": 0})
+
+
+def installed_sglang_jax() -> Optional[str]:
+    """Which sglang-jax is installed, without importing it (importing it imports flax, whose
+    switches sglang-jax 0.0.2 needs set first): None, ``'main'`` (its runner has ``MemoryPools``)
+    or ``'0.0.2'`` (the release, whose HTTP server cannot serve on the CPU)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sgl_jax")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    pool = os.path.join(list(spec.submodule_search_locations)[0], "srt", "mem_cache",
+                        "memory_pool.py")
+    with open(pool) as f:
+        return "main" if "class MemoryPools" in f.read() else "0.0.2"

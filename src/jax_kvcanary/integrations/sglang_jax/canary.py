@@ -215,7 +215,7 @@ class SglangJaxCanary:
             return cstate, counter_snapshot(cstate)
 
         return (jax.jit(head, donate_argnums=(0,), static_argnames=("decode",)),
-                jax.jit(tail, donate_argnums=(0, 1)))
+                jax.jit(tail, donate_argnums=(0,)))
 
     def _build_sweep(self):
         mode = self.config.real_kv_hash_mode
