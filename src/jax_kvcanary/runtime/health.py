@@ -28,6 +28,12 @@ class HealthCheck:
         self._base: Optional[np.ndarray] = None
         self.checks = 0
 
+    def due(self, step: int) -> bool:
+        """Whether ``observe(step, ...)`` would check (or take its first baseline)."""
+        if not self.interval or not self.expected_tags:
+            return False
+        return self._base is None or step - self._base_step >= self.interval
+
     def observe(self, step: int, kernel_runs: np.ndarray) -> None:
         if not self.interval or not self.expected_tags:
             return

@@ -89,6 +89,12 @@ def _snapshot(write_index, kernel_runs, slot_runs, written):
     return jnp.concatenate([p.reshape(lead + (-1,)) for p in parts], axis=-1)
 
 
+def _is_ready(x) -> bool:
+    """Whether the computation producing ``x`` has finished (True where JAX cannot tell)."""
+    ready = getattr(x, "is_ready", None)
+    return True if ready is None else bool(ready())
+
+
 def counter_snapshot(state) -> jax.Array:
     """The counters ``Monitor.step`` reads back, as one ``uint8[(D,) 4 + 24 T]`` array, of a
     ``CanaryState`` or a ``ViolationLog``. Jit-compatible: a serving step that returns it along
@@ -135,7 +141,7 @@ class Monitor:
         self.by_tag_reason = collections.Counter()
         self.counters: Optional[CounterSnapshot] = None
         self.stopped = False
-        self._pending = None        # (snapshot array, monitor step)
+        self._pending = collections.deque()   # (snapshot array, monitor step), oldest first
         self._state = None          # last state passed in (its ring is read on a counter move)
         self._watermark = None      # int64[D]
         self.host_total = 0         # rows given to report_rows
@@ -147,12 +153,18 @@ class Monitor:
                    expected_tags=config.expected_tags(), stats_interval=config.stats_interval, **kw)
 
     # -- per step -----------------------------------------------------------------------------------
-    def step(self, state, snapshot: Optional[jax.Array] = None) -> List[Violation]:
-        """Start the readback of ``state`` and report what the previous call's readback found.
+    def step(self, state, snapshot: Optional[jax.Array] = None, *, wait: bool = True
+             ) -> List[Violation]:
+        """Start the readback of ``state`` and report what the previous calls' readbacks found.
 
         Args:
           state: the ``CanaryState`` (or ``ViolationLog``) the serving step returned.
           snapshot: ``counter_snapshot(state)`` if the step computed it (default: dispatched here).
+          wait: decode the previous call's snapshot even if its step is still running (blocks on
+            it). ``False``: decode only the snapshots whose steps have finished, in order, and keep
+            the others for a later call, so the caller never waits on the device (a serving loop
+            that dispatches the next step before the last one has run; reports then lag by more
+            than one step while the device is behind).
 
         Returns:
           The new violations (``list[Violation]``), already logged in mode ``'log'``.
@@ -168,18 +180,20 @@ class Monitor:
         log, written = self._split(state)
         snap = _snapshot(*_parts(log, written)) if snapshot is None else snapshot
         snap.copy_to_host_async()
-        prev, self._pending = self._pending, (snap, self.steps)
+        self._pending.append((snap, self.steps))
         self._state = log
-        if prev is None:
-            return []
-        return self._decode(*prev)
+        new: List[Violation] = []
+        while len(self._pending) > 1 and (wait or _is_ready(self._pending[0][0])):
+            new += self._decode(*self._pending.popleft())
+        return new
 
     def flush(self) -> List[Violation]:
-        """Decode the pending readback now (at the end of serving). Blocks on the last step."""
-        if self.mode == "none" or self.stopped or self._pending is None:
-            return []
-        prev, self._pending = self._pending, None
-        return self._decode(*prev)
+        """Decode every pending readback now (at the end of serving). Blocks on the last step."""
+        new: List[Violation] = []
+        while self.mode != "none" and not self.stopped and self._pending:
+            snap, step = self._pending.popleft()
+            new += self._decode(snap, step, full=not self._pending)
+        return new
 
     # -- internals ----------------------------------------------------------------------------------
     @staticmethod
@@ -192,10 +206,20 @@ class Monitor:
         raise TypeError("kv-canary: Monitor.step needs a CanaryState or a ViolationLog, got "
                         f"{type(state).__name__}")
 
-    def _decode(self, snap, snap_step) -> List[Violation]:
+    def _decode(self, snap, snap_step, full: bool = False) -> List[Violation]:
+        """Report the new rows of one snapshot. The counters are decoded in full only when
+        something needs them (``full``, new rows, a health check or a stats line due); otherwise
+        only ``write_index`` is read."""
         log = self._state
         num_tags = int(log.kernel_run_counters.shape[-2])
-        counters = CounterSnapshot.decode(np.asarray(snap), num_tags)
+        host = np.asarray(snap)
+        if not full and not self.health.due(snap_step) and not (
+                self.stats_interval and snap_step % self.stats_interval == 0):
+            wi = np.ascontiguousarray(host.reshape(-1, host.shape[-1])[:, :4]).view("<i4")
+            if self._watermark is not None and np.all(
+                    np.minimum(wi[:, 0], int(log.ring.shape[-2])) <= self._watermark):
+                return []
+        counters = CounterSnapshot.decode(host, num_tags)
         self.counters = counters
         multi = log.write_index.ndim == 2
         ndev = counters.write_index.shape[0]

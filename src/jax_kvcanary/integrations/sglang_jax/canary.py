@@ -3,27 +3,28 @@
 **What is wrapped, and why.** Exactly one thing, on the one ``ModelRunner`` instance passed in:
 ``model_runner.jitted_run_model``, the instance attribute that ``ModelRunner.initialize_jit`` sets
 to a Python wrapper around the runner's ``jax.jit``-compiled model call and that
-``ModelRunner._forward`` calls once per step. ``install`` replaces it by a wrapper that brackets
-the engine's own call with two jitted canary launches: HEAD before it (plan, write, verify) and
-TAIL after it (the same with real-KV fingerprints of layer 0's KV as the forward left it). The
-model call itself is the engine's, unchanged: the same compiled program, the same numbers, the
-same donation of the KV pool. The wrapper returns what the original returned, so ``_forward``,
-sampling and the scheduler run unchanged; ``uninstall()`` puts the original back. Each launch
-donates the canary state and is dispatched asynchronously, as the model call is.
+``ModelRunner._forward`` calls once per step. ``install`` replaces it by a wrapper that calls the
+engine's own ``jitted_run_model`` and then one jitted canary launch on what the step read and
+wrote. The model call itself is the engine's, unchanged: the same compiled program, the same
+numbers, the same donation of the KV pool. The wrapper returns what the original returned, so
+``_forward``, sampling and the scheduler run unchanged; ``uninstall()`` puts the original back.
+The launch donates the canary state and is dispatched asynchronously, as the model call is.
 
-**What the steps check.** The plan is made on the device from the step's own page table
-(``forward_batch.cache_loc``, the slots attention reads: ``layout.page_table_batch``), so nothing
-is copied to the device per step and nothing is read back inside the step. HEAD stamps the records
-of the step's new slots (``out_cache_loc``) and then verifies every entry of every request's
-segment, this step's tokens included: a wrong ``cache_loc`` entry, a ``req_to_token`` entry that
-points at another slot, or a slot that was reallocated while a cached prefix still uses it is a
-violation in the step that reads it. TAIL does the same on the tail canaries with layer 0's real
-KV bytes fingerprinted after the forward.
+**What the launch checks.** The plan is made on the device from the step's own page table
+(``forward_batch.cache_loc``, the slots attention read: ``layout.page_table_batch``), so nothing is
+copied to the device per step and nothing is read back inside the step. HEAD stamps the records of
+the step's new slots (``out_cache_loc``) with their tokens, positions and chain hashes, then
+verifies every entry of every request's segment, the step's own tokens included: a wrong
+``cache_loc`` entry, a ``req_to_token`` entry that points at another slot, or a slot that was
+reallocated while a cached prefix still uses it is a violation of the step that read it. TAIL does
+the same on the tail canaries with fingerprints of layer 0's real KV bytes as the forward left
+them. (Upstream runs HEAD before the forward; here both run in one launch after it, which checks
+the same records with one dispatch per step instead of two.)
 
 **Sweeps** of the prefix cache (``config.sweep_interval``) are collected on the host where the
 scheduler's radix tree is consistent (``request_sweep``, called by the scheduler hook of
 ``install_into_scheduler`` before it launches a batch, or by the wrapper itself when there is no
-scheduler hook) and run before the next step.
+scheduler hook) and run by the next step's launch, on layer 0's KV as that forward left it.
 
 **Reporting.** After each step the wrapper starts the canary's one-step-lag readback
 (``Monitor``): mode ``log`` logs each new violation (``logging.getLogger('jax_kvcanary')``),
@@ -31,14 +32,16 @@ mode ``raise`` hands the engine the step's KV buffers (``store_kv``, so it is no
 donated arrays) and raises ``CanaryViolationError``.
 
 **Compiles.** ``precompile(engine_precompile)`` runs the engine's own precompile with the canary
-installed (so HEAD and TAIL are compiled for each of the engine's buckets), compiles the sweep for
+installed (so the launch is compiled for each of the engine's buckets), compiles the sweep for
 every capacity bucket, then starts from a fresh state: no compile is left for the request path.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
+import time
 from typing import Callable, Optional
 
 import jax
@@ -74,6 +77,29 @@ def radix_chains(tree_cache) -> np.ndarray:
             out.append(ch)
             stack.append((child, depth + n, int(slots[-1])))
     return np.concatenate(out) if out else np.zeros((0, 3), np.int64)
+
+
+class HostTime:
+    """Seconds of host work the canary adds to each step (its launches' dispatch, the sweep's
+    collection and dispatch, the monitor's readback), the last ``window`` steps kept."""
+
+    def __init__(self, window: int = 1024):
+        self.recent = collections.deque(maxlen=window)
+        self.total = 0.0
+        self.steps = 0
+
+    def add(self, seconds: float) -> None:
+        self.recent.append(seconds)
+        self.total += seconds
+        self.steps += 1
+
+    def summary(self) -> str:
+        """``median M us, p90 P us, mean A us`` of the recent steps."""
+        if not self.recent:
+            return "no steps"
+        us = np.asarray(self.recent) * 1e6
+        return (f"median {np.median(us):.1f} us, p90 {np.percentile(us, 90):.1f} us, "
+                f"mean {us.mean():.1f} us")
 
 
 class SglangJaxCanary:
@@ -118,7 +144,7 @@ class SglangJaxCanary:
         self.logger = logger or LOGGER
         self.num_slots = self.layout.geometry.num_slots
         self._original = None                        # taken by install()
-        self._head_fn, self._tail_fn = self._build_steps()
+        self._check_fn = self._build_check()
         self._sweep_fn = self._build_sweep()
         self._pending_sweep = None                   # plans collected on the host, run by a step
         self._sweep_lock = threading.Lock()
@@ -128,6 +154,7 @@ class SglangJaxCanary:
         self.launches = 0                            # batches the scheduler hook has seen
         self.steps = self.sweeps = 0
         self.warming = False                         # inside precompile: nothing is reported
+        self.host_time = HostTime()                  # the wrapper's own work per step
         self.state = None
         self.monitor = None
         self.reset()
@@ -149,6 +176,7 @@ class SglangJaxCanary:
                                     NamedSharding(self.runner.mesh, PartitionSpec()))
         self.monitor = Monitor.from_config(self.config, logger=self.logger)
         self.steps = self.sweeps = self.launches = 0
+        self.host_time = HostTime()
         with self._sweep_lock:
             self._pending_sweep = None
 
@@ -197,25 +225,23 @@ class SglangJaxCanary:
             self.reset()
 
     # -- the jitted functions -------------------------------------------------------------------
-    def _build_steps(self):
-        """The jitted HEAD and TAIL launches (canary state donated)."""
+    def _build_check(self):
+        """The jitted launch after the engine's model call: HEAD then TAIL on one plan, the canary
+        state donated, the counter snapshot for the monitor computed in the same launch."""
         mode = self.config.real_kv_hash_mode
         layout = self.layout
         page_size, aligned, mesh = layout.page_size, layout.aligned_segments, self.runner.mesh
 
-        def head(cstate, arrays, decode):
+        def check(cstate, arrays, kv0, decode):
             ep = self._endpoints(arrays["seq_lens"].shape[0], arrays["cache_loc"].shape[0])
             batch = page_table_batch(arrays, decode=decode, page_size=page_size, aligned=aligned,
                                      mesh=mesh)
-            return ep.head(cstate, batch)
-
-        def tail(cstate, ctx, kv0):
+            cstate, ctx = ep.head(cstate, batch)
             sources = real_kv_sources(kv0, mode) if mode else {}
-            cstate = self._endpoints(1, 1).tail(cstate, ctx, {"FULL": sources})
+            cstate = ep.tail(cstate, ctx, {"FULL": sources})
             return cstate, counter_snapshot(cstate)
 
-        return (jax.jit(head, donate_argnums=(0,), static_argnames=("decode",)),
-                jax.jit(tail, donate_argnums=(0,)))
+        return jax.jit(check, donate_argnums=(0,), static_argnames=("decode",))
 
     def _build_sweep(self):
         mode = self.config.real_kv_hash_mode
@@ -249,42 +275,50 @@ class SglangJaxCanary:
         for hook in self.launch_hooks:
             hook(batch)
 
-    def _run_pending_sweep(self) -> None:
+    def _run_pending_sweep(self, kv0) -> None:
         with self._sweep_lock:
             plans, self._pending_sweep = self._pending_sweep, None
         if plans is not None:
-            self.state = self._sweep_fn(self.layout.kv0(), self.state, plans)
+            self.state = self._sweep_fn(kv0, self.state, plans)
             self.sweeps += 1
 
     def sweep_now(self) -> int:
-        """Collect and run a sweep at once (non-overlap use only); returns the slots swept."""
+        """Collect and run a sweep at once on the engine's current layer-0 KV (between steps, in
+        the scheduler's thread without the overlap schedule); returns the slots swept."""
         n = self.request_sweep()
-        self._run_pending_sweep()
+        self._run_pending_sweep(self.layout.kv0())
         return n
 
     # -- per step -------------------------------------------------------------------------------
     def _run_model(self, forward_batch, logits_metadata):
         self.steps += 1
+        if not self.warming:
+            for hook in self.step_hooks:               # fault injection (not canary work)
+                hook(forward_batch)
+        outputs = self._original(forward_batch, logits_metadata)
+        t0 = time.perf_counter()
+        kv0 = self.layout.layers(outputs)[0]            # layer 0's KV as the forward left it
         si = self.config.sweep_interval
         if self.sweeps_from_wrapper and si and self.steps % si == 0 and not self.warming:
             self.request_sweep()
-        self._run_pending_sweep()
-        if not self.warming:
-            for hook in self.step_hooks:
-                hook(forward_batch)
-        self.state, ctx = self._head_fn(self.state, step_arrays(forward_batch),
-                                        decode=bool(forward_batch.forward_mode.is_decode()))
-        outputs = self._original(forward_batch, logits_metadata)
-        self.state, snapshot = self._tail_fn(self.state, ctx, self.layout.layers(outputs)[0])
+        self._run_pending_sweep(kv0)
+        self.state, snapshot = self._check_fn(
+            self.state, step_arrays(forward_batch), kv0,
+            decode=bool(forward_batch.forward_mode.is_decode()))
         if self.warming:
             return outputs
         try:
-            self.monitor.step(self.state, snapshot=snapshot)
+            self.monitor.step(self.state, snapshot=snapshot, wait=False)
         except BaseException:
             # mode 'raise' (or a health failure): the step has donated the KV pool already, so
             # hand the engine its new buffers before raising, as its own forward would have
             self.layout.store_kv(outputs, forward_batch)
             raise
+        self.host_time.add(time.perf_counter() - t0)
+        si = self.config.stats_interval
+        if si and self.steps % si == 0:
+            self.logger.info("kv-canary: host work per step over the last %d steps: %s",
+                             len(self.host_time.recent), self.host_time.summary())
         return outputs
 
     def flush(self):

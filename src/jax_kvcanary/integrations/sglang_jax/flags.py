@@ -22,6 +22,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "partial, 16 bytes of K head 0 and of V head 0 per slot)")
     g.add_argument("--kv-canary-sweep-interval", type=int, default=0, metavar="N",
                    help="verify every slot held by the prefix cache every N steps (0 = never)")
+    g.add_argument("--kv-canary-stats-interval", type=int, default=0, metavar="N",
+                   help="log the canary's counters and its host work per step every N steps "
+                        "(0 = never)")
     return parser
 
 
@@ -32,4 +35,5 @@ def config_from_args(ns: argparse.Namespace, **overrides) -> CanaryConfig:
         raise ValueError(f"kv-canary: --kv-canary-real-data must be one of {REAL_DATA_CHOICES}, "
                          f"got {real!r}")
     return CanaryConfig(mode=getattr(ns, "kv_canary", "none"), real_kv_hash_mode=real.upper(),
-                        sweep_interval=getattr(ns, "kv_canary_sweep_interval", 0), **overrides)
+                        sweep_interval=getattr(ns, "kv_canary_sweep_interval", 0),
+                        stats_interval=getattr(ns, "kv_canary_stats_interval", 0), **overrides)
