@@ -211,3 +211,42 @@ def test_radix_chains_follow_the_tree():
     assert got == sorted([(3, 0, -1), (4, 1, 3), (5, 2, 4), (7, 3, 5), (8, 4, 7), (9, 3, 5)])
     empty = kvc_sgl.radix_chains(types.SimpleNamespace(root_node=node([])))
     assert empty.shape == (0, 3)
+
+
+def test_the_step_path_copies_nothing_to_the_device_and_compiles_once_per_bucket():
+    """The wrapper around the engine's model call reads the step's own device arrays only: no
+    host-to-device copy per step (whatever the context length), and one compile per bucket."""
+    import logging
+
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((1,), ("data",))
+    rep, data = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+    kv0 = jax.device_put(np.zeros((64, 1, 4, 1, 8), np.float32), rep)
+    outputs = (None, {"token_to_kv_pool": [kv0]}, None, None)
+    runner = fake_runner(kv0, jitted_run_model=lambda fb, lm: outputs, mesh=mesh)
+    quiet = logging.getLogger("kvc-unit-quiet")
+    quiet.disabled = True
+    canary = kvc_sgl.install(runner, CanaryConfig(mode="log", health_interval=0), logger=quiet)
+
+    def decode_batch(context):
+        seq = np.array([context, context - 3, 0, 0], np.int32)
+        loc = np.zeros(4 * 32, np.int32)
+        loc[: seq.sum()] = 1 + np.arange(seq.sum()) % 63
+        arrays = dict(req_pool_indices=np.array([0, 1, -1, -1], np.int32), seq_lens=seq,
+                      cache_loc=loc, input_ids=np.array([5, 6, 0, 0], np.int32),
+                      positions=np.maximum(seq - 1, 0),
+                      out_cache_loc=np.array([1, 2, -1, -1], np.int32))
+        fb = types.SimpleNamespace(forward_mode=types.SimpleNamespace(is_decode=lambda: True),
+                                   extend_prefix_lens=None, extend_seq_lens=None,
+                                   **{k: jax.device_put(v, data) for k, v in arrays.items()})
+        return fb
+
+    batches = [decode_batch(n) for n in (5, 12, 30)]
+    runner.jitted_run_model(batches[0], None)           # compiles
+    with jax.transfer_guard_host_to_device("disallow"):
+        for fb in batches:
+            for _ in range(3):
+                assert runner.jitted_run_model(fb, None) is outputs
+    assert canary._check_fn._cache_size() == 1
+    assert canary.steps == 10 and canary.host_time.steps == 10

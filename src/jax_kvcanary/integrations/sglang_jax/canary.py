@@ -165,15 +165,17 @@ class SglangJaxCanary:
                                write_req_capacity=max(1, int(write_req_capacity)),
                                verify_capacity=max(1, int(verify_capacity)))
 
+    def _replicated(self):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return NamedSharding(self.runner.mesh, PartitionSpec())
+
     def reset(self) -> None:
         """Fresh canary state (zero records, empty ring) and a fresh monitor; e.g. after
         sglang-jax's warm-up, whose synthetic batches would otherwise leave records behind."""
-        # placed as the step's outputs are (replicated over the runner's mesh), so that the first
-        # step of each bucket compiles the same program as every later one
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        self.state = jax.device_put(self._endpoints(1, 1).init_state(),
-                                    NamedSharding(self.runner.mesh, PartitionSpec()))
+        # placed as the launches' outputs are (replicated over the runner's mesh, the sharding
+        # they declare), so that every step of a bucket runs the program compiled for it
+        self.state = jax.device_put(self._endpoints(1, 1).init_state(), self._replicated())
         self.monitor = Monitor.from_config(self.config, logger=self.logger)
         self.steps = self.sweeps = self.launches = 0
         self.host_time = HostTime()
@@ -241,7 +243,8 @@ class SglangJaxCanary:
             cstate = ep.tail(cstate, ctx, {"FULL": sources})
             return cstate, counter_snapshot(cstate)
 
-        return jax.jit(check, donate_argnums=(0,), static_argnames=("decode",))
+        return jax.jit(check, donate_argnums=(0,), static_argnames=("decode",),
+                       out_shardings=self._replicated())
 
     def _build_sweep(self):
         mode = self.config.real_kv_hash_mode
@@ -251,7 +254,7 @@ class SglangJaxCanary:
             sources = real_kv_sources(kv0, mode) if mode else {}
             return ep.sweep(cstate, plans, {"FULL": sources})
 
-        return jax.jit(sweep, donate_argnums=(1,))
+        return jax.jit(sweep, donate_argnums=(1,), out_shardings=self._replicated())
 
     # -- sweeps ---------------------------------------------------------------------------------
     def request_sweep(self) -> int:
