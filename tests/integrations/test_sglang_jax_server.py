@@ -41,10 +41,10 @@ def model_dir(tmp_path_factory):
     return write_tiny_qwen2(str(tmp_path_factory.mktemp("tiny-qwen2")))
 
 
-def server(model_dir, tmp_path, *args, name="server"):
+def server(model_dir, tmp_path, *args, name="server", env=None):
     """An unstarted ``Server`` of the launcher with the tiny engine and ``args``."""
     return Server(["--model-path", model_dir, *TINY_ENGINE_ARGS, *args],
-                  str(tmp_path / f"{name}.log"))
+                  str(tmp_path / f"{name}.log"), env=env)
 
 
 def sequential(srv):
@@ -104,13 +104,17 @@ def test_overlap_scheduler_same_text_no_violation(model_dir, tmp_path, reference
         assert "disable_overlap_schedule=False" in srv.log()
 
 
-def test_non_overlap_single_process_same_text(model_dir, tmp_path, reference):
+def test_non_overlap_single_process_aot_dispatch_same_text(model_dir, tmp_path, reference):
+    """The non-overlap scheduler in the launcher's own process, sglang-jax's AOT dispatcher
+    (``SGLANG_JAX_AOT_DISPATCH=1``, which the wrapped call goes through), real-data ``all``."""
     with server(model_dir, tmp_path, "--kv-canary", "log", "--kv-canary-real-data", "all",
-                "--disable-overlap-schedule", "--enable-single-process") as srv:
+                "--disable-overlap-schedule", "--enable-single-process",
+                env={"SGLANG_JAX_AOT_DISPATCH": "1"}) as srv:
         outs, metas = sequential(srv)
         assert_clean(srv, outs, metas, reference["sequential"])
         outs, metas = batched(srv)
         assert_clean(srv, outs, metas, reference["batched"])
+        assert "[aot-dispatch:run_model]" in srv.log()
 
 
 def test_page_size_4(model_dir, tmp_path, reference):

@@ -158,8 +158,8 @@ def test_refusals_name_the_setting_and_the_fix():
     from jax_kvcanary.integrations.sglang_jax.server import refusals
 
     log = CanaryConfig(mode="log")
-    assert refusals(server_args(), log, environ={}) == []
-    assert refusals(server_args(tp_size=4), CanaryConfig(mode="none"), environ={}) == []
+    assert refusals(server_args(), log) == []
+    assert refusals(server_args(tp_size=4), CanaryConfig(mode="none")) == []
     cases = [
         (dict(tp_size=2), "kv-canary: --tp-size 2 is not supported"),
         (dict(dp_size=2), "kv-canary: --dp-size 2 is not supported"),
@@ -170,14 +170,12 @@ def test_refusals_name_the_setting_and_the_fix():
         (dict(pd_disaggregation="pathways"), "kv-canary: --pd-disaggregation pathways"),
     ]
     for change, text in cases:
-        got = refusals(server_args(**change), log, environ={})
+        got = refusals(server_args(**change), log)
         assert len(got) == 1 and got[0].startswith(text) and "; " in got[0], got
-    got = refusals(server_args(), log, environ={"SGLANG_JAX_AOT_DISPATCH": "1"})
-    assert len(got) == 1 and got[0].startswith("kv-canary: SGLANG_JAX_AOT_DISPATCH=1")
     swept = CanaryConfig(mode="log", sweep_interval=4)
-    assert refusals(server_args(disable_radix_cache=True), swept, environ={})[0].startswith(
+    assert refusals(server_args(disable_radix_cache=True), swept)[0].startswith(
         "kv-canary: --kv-canary-sweep-interval 4 with --disable-radix-cache")
-    got = refusals(server_args(), log, InjectSpec("real_kv_unused_cache"), environ={})
+    got = refusals(server_args(), log, InjectSpec("real_kv_unused_cache"))
     assert got and "add --kv-canary-sweep-interval" in got[0]
 
 

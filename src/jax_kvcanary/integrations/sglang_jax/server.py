@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import List, Optional
 
 from ...runtime.config import CanaryConfig
@@ -28,15 +27,14 @@ from .inject import FaultInjector, InjectSpec
 from .layout import ATTENTION_BACKENDS
 
 
-def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = None,
-             environ=os.environ) -> List[str]:
+def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = None
+             ) -> List[str]:
     """The ``kv-canary:`` lines of every setting the canary cannot cover (empty: it can start).
 
     Args:
       server_args: sglang-jax's parsed ``ServerArgs``.
       config: the canary's ``CanaryConfig`` (mode ``'none'`` refuses nothing).
       inject: the fault to plant, or None.
-      environ: the environment the server will run with.
     """
     if not config.enabled:
         return []
@@ -74,10 +72,6 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
         refuse(f"--attention-backend {a.attention_backend}",
                "the canary reads the page table as the native and fa backends do",
                f"use --attention-backend native, {off}")
-    if environ.get("SGLANG_JAX_AOT_DISPATCH", "") in ("auto", "1"):
-        refuse("SGLANG_JAX_AOT_DISPATCH=" + environ["SGLANG_JAX_AOT_DISPATCH"],
-               "the AOT dispatcher calls the model without the wrapped jitted_run_model",
-               f"unset it, {off}")
     if config.sweep_interval and a.disable_radix_cache:
         refuse(f"--kv-canary-sweep-interval {config.sweep_interval} with --disable-radix-cache",
                "sweeps walk the radix cache", "use --kv-canary-sweep-interval 0")
