@@ -295,6 +295,13 @@ def plan_case(cls, seed):
     E = [g.int(0, 4) if g.p(0.7) else g.pick(-1, 5) for _ in range(bs)]
     kwargs = dict(verify_capacity=c["Vc"], write_req_capacity=c["Wc"], swa_window_size=c["W"],
                   kv_token_id_vs_position_offset=c["koff"])
+    kwargs.update(plan_optional_kwargs(g, c, bs, S))
+    return (g.idx(rps), g.idx(P), g.idx(E), g.idx(table).reshape(R, L)), kwargs
+
+
+def plan_optional_kwargs(g, c, bs, S):
+    """The LUT and token-pool arguments of a plan case of class ``c`` (drawn in this order)."""
+    kwargs = {}
     if c["lut"]:
         kwargs["full_to_swa_index_mapping"] = g.idx(
             [g.int(0, S - 1) if g.p(0.8) else g.pick(-1, S) for _ in range(c["lut"])])
@@ -304,7 +311,7 @@ def plan_case(cls, seed):
             [g.int(-1, 1000) if g.p(0.85) else g.pick(-1, 5) for _ in range(Rp * Cp)]).reshape(Rp, Cp)
         kwargs["req_to_verify_expected_tokens_valid_lens"] = g.idx(
             [g.int(0, Cp) if g.p(0.6) else g.pick(-1, Cp + 2) for _ in range(bs)])
-    return (g.idx(rps), g.idx(P), g.idx(E), g.idx(table).reshape(R, L)), kwargs
+    return kwargs
 
 
 def plan_flat_case(cls, seed):
@@ -324,15 +331,7 @@ def plan_flat_case(cls, seed):
             starts.append(g.pick(-L, N + L))
     kwargs = dict(verify_capacity=c["Vc"], write_req_capacity=c["Wc"], swa_window_size=c["W"],
                   kv_token_id_vs_position_offset=c["koff"], row_starts=g.idx(starts))
-    if c["lut"]:
-        kwargs["full_to_swa_index_mapping"] = g.idx(
-            [g.int(0, S - 1) if g.p(0.8) else g.pick(-1, S) for _ in range(c["lut"])])
-    if c["pool"]:
-        Rp, Cp = c["pool"]
-        kwargs["req_to_verify_expected_tokens"] = g.idx(
-            [g.int(-1, 1000) if g.p(0.85) else g.pick(-1, 5) for _ in range(Rp * Cp)]).reshape(Rp, Cp)
-        kwargs["req_to_verify_expected_tokens_valid_lens"] = g.idx(
-            [g.int(0, Cp) if g.p(0.6) else g.pick(-1, Cp + 2) for _ in range(bs)])
+    kwargs.update(plan_optional_kwargs(g, c, bs, S))
     return (g.idx(rps), g.idx(P), g.idx(E), g.idx(table)), kwargs
 
 
