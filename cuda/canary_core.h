@@ -215,15 +215,20 @@ struct RealKvSourceView {
   int64_t page_size;
   int64_t bytes_per_token;
   int64_t read_bytes;
+  int64_t offset_bytes;  // start of the strip inside each slot's bytes_per_token bytes
 };
 
 // A source view that is safe to address (format.md §4.4). The Python checks guarantee page_size >= 1,
-// 16 | eff <= num_bytes_per_token and page_size * num_bytes_per_token <= row_bytes, so every strip of
-// a slot with row < rows lies inside the buffer. Geometry that breaks them anyway (never produced by
-// the Python checks) would reach past a row: it gets zero rows, so every slot is unaddressable (an
-// INDEX_OUT_OF_RANGE row) and no byte of it is ever read. No multiplication here can overflow.
+// 16 | eff, 16 | offset_bytes, offset_bytes + eff <= num_bytes_per_token and
+// page_size * num_bytes_per_token <= row_bytes, so every strip of a slot with row < rows lies inside
+// the buffer: its last byte is at column (page_size - 1) * num_bytes_per_token + offset_bytes + eff
+// - 1 < page_size * num_bytes_per_token. Geometry that breaks them anyway (never produced by the
+// Python checks) would reach past a row: it gets zero rows, so every slot is unaddressable (an
+// INDEX_OUT_OF_RANGE row) and no byte of it is ever read. No multiplication or addition here can
+// overflow.
 KVC_HD RealKvSourceView make_source_view(const uint8_t* data, int64_t rows, int64_t row_bytes, int64_t page_size,
-                                         int64_t bytes_per_token, int64_t read_bytes, int32_t mode) {
+                                         int64_t bytes_per_token, int64_t read_bytes, int64_t offset_bytes,
+                                         int32_t mode) {
   RealKvSourceView v{};
   v.data = data;
   v.rows = rows > 0 ? rows : 0;
@@ -231,9 +236,12 @@ KVC_HD RealKvSourceView make_source_view(const uint8_t* data, int64_t rows, int6
   v.page_size = page_size > 0 ? page_size : 1;
   v.bytes_per_token = bytes_per_token;
   v.read_bytes = read_bytes;
+  v.offset_bytes = offset_bytes;
   const int64_t eff = mode == static_cast<int32_t>(RealKvHashMode::PARTIAL) ? REAL_KV_PARTIAL_BYTES : read_bytes;
   const bool sane = page_size > 0 && bytes_per_token > 0 && eff > 0 && eff % REAL_KV_CHUNK_BYTES == 0 &&
-                    eff <= bytes_per_token && row_bytes >= 0 && page_size <= row_bytes / bytes_per_token;
+                    eff <= bytes_per_token && offset_bytes >= 0 && offset_bytes % REAL_KV_CHUNK_BYTES == 0 &&
+                    offset_bytes <= bytes_per_token - eff && row_bytes >= 0 &&
+                    page_size <= row_bytes / bytes_per_token;
   if (!sane) v.rows = 0;
   return v;
 }
@@ -255,7 +263,7 @@ struct RealKvSources {
   }
   KVC_HD const uint8_t* strip(int k, int64_t slot) const {
     const RealKvSourceView& v = src[k];
-    return v.data + (slot / v.page_size) * v.row_bytes + (slot % v.page_size) * v.bytes_per_token;
+    return v.data + (slot / v.page_size) * v.row_bytes + (slot % v.page_size) * v.bytes_per_token + v.offset_bytes;
   }
   // Fold of one source's strip for an addressable slot.
   KVC_HD uint64_t fold_one(int k, int64_t slot) const {
