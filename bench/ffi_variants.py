@@ -35,9 +35,9 @@ RKV_DIV_PATCH = [
      "      const int64_t row = src[k].page_size == 1 ? slot : slot / src[k].page_size;\n"
      "      if (row >= src[k].rows) return k;"),
     ("canary_core.h",
-     "    return v.data + (slot / v.page_size) * v.row_bytes + (slot % v.page_size) * v.bytes_per_token + v.offset_bytes;",
-     "    if (v.page_size == 1) return v.data + slot * v.row_bytes + v.offset_bytes;\n"
-     "    return v.data + (slot / v.page_size) * v.row_bytes + (slot % v.page_size) * v.bytes_per_token + v.offset_bytes;"),
+     "    return v.data + (slot / v.page_size) * v.row_bytes + (slot % v.page_size) * v.bytes_per_token;",
+     "    if (v.page_size == 1) return v.data + slot * v.row_bytes;\n"
+     "    return v.data + (slot / v.page_size) * v.row_bytes + (slot % v.page_size) * v.bytes_per_token;"),
 ]
 
 
