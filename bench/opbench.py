@@ -177,7 +177,8 @@ def verify_contenders(sc: Scenario, env: Env) -> List[Contender]:
             out.append(Contender(impl, run))
     if _use(env, "reference", n):
         hc, hp = np.array(sc.canary), _host(sc.verify_plan)
-        hs = tuple(kvc.RealKvSource(np.array(s.array), s.page_size, s.num_bytes_per_token, s.read_bytes)
+        hs = tuple(kvc.RealKvSource(np.array(s.array), s.page_size, s.num_bytes_per_token, s.read_bytes,
+                                     s.offset_bytes)
                    for s in sc.sources)
         hl = _host(kvc.ViolationLog.create(ring_capacity=64))
         out.append(Contender("reference", lambda: reference.verify(hc, hl, hp, tag=TAG, real_kv_sources=hs,
@@ -217,7 +218,8 @@ def write_contenders(sc: Scenario, env: Env) -> List[Contender]:
     if _use(env, "reference", n) and _use(env, "reference", sc.num_slots // 8):
         hc, hp = np.array(sc.canary), _host(sc.write_plan)
         hi, hpos, hloc = np.array(sc.input_ids), np.array(sc.positions), np.array(sc.out_cache_loc)
-        hs = tuple(kvc.RealKvSource(np.array(s.array), s.page_size, s.num_bytes_per_token, s.read_bytes)
+        hs = tuple(kvc.RealKvSource(np.array(s.array), s.page_size, s.num_bytes_per_token, s.read_bytes,
+                                     s.offset_bytes)
                    for s in sc.sources)
         hl = _host(kvc.ViolationLog.create(ring_capacity=64))
         out.append(Contender("reference", lambda: reference.write(hc, hl, hp, hi, hpos, hloc, tag=TAG,

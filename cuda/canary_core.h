@@ -209,7 +209,7 @@ struct CanaryView {
 
 // ---- real-KV sources (format.md §4.4) ---------------------------------------------------------------
 struct RealKvSourceView {
-  const uint8_t* data;  // rows x row_bytes, row-major
+  const uint8_t* data;  // rows x row_bytes, row-major, advanced by offset_bytes: the strip of slot 0
   int64_t rows;
   int64_t row_bytes;
   int64_t page_size;
@@ -218,12 +218,22 @@ struct RealKvSourceView {
 };
 
 // A source view that is safe to address (format.md §4.4). The Python checks guarantee page_size >= 1,
-// 16 | eff <= num_bytes_per_token and page_size * num_bytes_per_token <= row_bytes, so every strip of
-// a slot with row < rows lies inside the buffer. Geometry that breaks them anyway (never produced by
-// the Python checks) would reach past a row: it gets zero rows, so every slot is unaddressable (an
-// INDEX_OUT_OF_RANGE row) and no byte of it is ever read. No multiplication here can overflow.
+// 16 | eff, 16 | offset_bytes, offset_bytes + eff <= num_bytes_per_token and
+// page_size * num_bytes_per_token <= row_bytes, so every strip of a slot with row < rows lies inside
+// the buffer: its last byte is at column (page_size - 1) * num_bytes_per_token + offset_bytes + eff
+// - 1 < page_size * num_bytes_per_token. Geometry that breaks them anyway (never produced by the
+// Python checks) would reach past a row: it gets zero rows, so every slot is unaddressable (an
+// INDEX_OUT_OF_RANGE row) and no byte of it is ever read. No multiplication or addition here can
+// overflow.
+//
+// offset_bytes is folded into `data` here, once per launch, so the per-slot address
+// data + row * row_bytes + (slot % page_size) * bytes_per_token is the buffer's byte
+// row * row_bytes + (slot % page_size) * bytes_per_token + offset_bytes without a per-slot add (and the
+// view, which the CUDA kernels take by value, does not grow). The pointer moves only when the view
+// has rows, so it stays inside the buffer, 16-byte aligned when the buffer is.
 KVC_HD RealKvSourceView make_source_view(const uint8_t* data, int64_t rows, int64_t row_bytes, int64_t page_size,
-                                         int64_t bytes_per_token, int64_t read_bytes, int32_t mode) {
+                                         int64_t bytes_per_token, int64_t read_bytes, int64_t offset_bytes,
+                                         int32_t mode) {
   RealKvSourceView v{};
   v.data = data;
   v.rows = rows > 0 ? rows : 0;
@@ -233,8 +243,11 @@ KVC_HD RealKvSourceView make_source_view(const uint8_t* data, int64_t rows, int6
   v.read_bytes = read_bytes;
   const int64_t eff = mode == static_cast<int32_t>(RealKvHashMode::PARTIAL) ? REAL_KV_PARTIAL_BYTES : read_bytes;
   const bool sane = page_size > 0 && bytes_per_token > 0 && eff > 0 && eff % REAL_KV_CHUNK_BYTES == 0 &&
-                    eff <= bytes_per_token && row_bytes >= 0 && page_size <= row_bytes / bytes_per_token;
+                    eff <= bytes_per_token && offset_bytes >= 0 && offset_bytes % REAL_KV_CHUNK_BYTES == 0 &&
+                    offset_bytes <= bytes_per_token - eff && row_bytes >= 0 &&
+                    page_size <= row_bytes / bytes_per_token;
   if (!sane) v.rows = 0;
+  if (v.rows > 0) v.data = data + offset_bytes;
   return v;
 }
 

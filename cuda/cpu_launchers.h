@@ -183,11 +183,13 @@ bool write_requests_independent(const WriteArgs& a, const std::vector<int64_t>& 
 }
 
 // Requests [begin, end) in order: body(r, ahead) with `ahead` the successor hash of r's seed taken a
-// block of requests early (null for a seed out of range). The seeds of a block are independent, so
-// their loads overlap and their hashes are one successor_hashes call; a decode launch (one entry per
-// request) is mostly this.
-template <class T, class Body>
-void for_requests_seeded(const WriteArgs& a, int64_t begin, int64_t end, Body&& body) {
+// block of requests early (null for a seed out of range, or when !reads_seed(r)). The seeds of a
+// block are independent, so their loads overlap and their hashes are one successor_hashes call; a
+// decode launch (one entry per request) is mostly this. The seed record of a request with
+// !reads_seed(r) is not loaded: on the parallel path an empty request's seed may be a slot that
+// another chunk is storing (write_requests_independent only rules that out for non-empty requests).
+template <class T, class ReadsSeed, class Body>
+void for_requests_seeded(const WriteArgs& a, int64_t begin, int64_t end, ReadsSeed&& reads_seed, Body&& body) {
   const int64_t S = a.canary.num_slots;
   SeedHash ahead[kHashBlock];
   uint64_t prev_hash[kHashBlock], token[kHashBlock], position[kHashBlock], hash[kHashBlock];
@@ -200,7 +202,7 @@ void for_requests_seeded(const WriteArgs& a, int64_t begin, int64_t end, Body&& 
         if (next >= 0 && next < S) __builtin_prefetch(a.canary.slot_ptr(next));
       }
 #endif
-      const int64_t seed = j < n ? T::at(a.seeds, b + j) : -1;
+      const int64_t seed = j < n && reads_seed(b + j) ? T::at(a.seeds, b + j) : -1;
       const Record r = seed >= 0 && seed < S ? a.canary.load(seed) : Record{0, 0, 0, 0};
       ahead[j].rec = r;
       prev_hash[j] = static_cast<uint64_t>(r.prev_hash);
@@ -209,7 +211,7 @@ void for_requests_seeded(const WriteArgs& a, int64_t begin, int64_t end, Body&& 
     }
     successor_hashes(prev_hash, token, position, hash);
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t seed = T::at(a.seeds, b + j);
+      const int64_t seed = reads_seed(b + j) ? T::at(a.seeds, b + j) : -1;
       ahead[j].hash = hash[j];
       body(b + j, seed >= 0 && seed < S ? &ahead[j] : nullptr);
     }
@@ -246,7 +248,7 @@ void write_launch(const WriteArgs& a, IndexView offsets, int64_t capacity, int32
       RingAppender emit{log.ring, log.capacity, base};
       int64_t running_max = offsets[0];
       int64_t lo = clamp_offset(running_max, num_tokens);
-      for_requests_seeded<T>(a, 0, active, [&](int64_t r, const SeedHash* ahead) {
+      for_requests_seeded<T>(a, 0, active, [](int64_t) { return true; }, [&](int64_t r, const SeedHash* ahead) {
         const int64_t next = offsets[r + 1];
         if (next > running_max) running_max = next;
         const int64_t hi = clamp_offset(running_max, num_tokens);
@@ -262,7 +264,8 @@ void write_launch(const WriteArgs& a, IndexView offsets, int64_t capacity, int32
     for (int64_t k = 0; k <= chunks; ++k)
       first[k] = std::lower_bound(o.begin(), o.end() - 1, o.front() + chunk_begin(k, chunks, entries)) - o.begin();
     exec.run_chunks(chunks, [&](int64_t k) {
-      for_requests_seeded<T>(a, first[k], first[k + 1], [&](int64_t r, const SeedHash* ahead) {
+      const auto non_empty = [&](int64_t r) { return o[r + 1] > o[r]; };
+      for_requests_seeded<T>(a, first[k], first[k + 1], non_empty, [&](int64_t r, const SeedHash* ahead) {
         RowCounter count;
         req_written[r] = write_request<T>(a, r, o[r], o[r + 1], count, /*do_store=*/true, ahead);
         req_rows[r] = count.count;

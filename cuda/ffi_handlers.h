@@ -80,18 +80,21 @@ inline ScratchView scratch_view(ScratchOut& s) { return ScratchView{s->typed_dat
 inline RealKvSources real_kv_sources(const ffi::RemainingArgs& srcs, int32_t mode,
                                      ffi::Span<const int64_t> page_size,
                                      ffi::Span<const int64_t> bytes_per_token,
-                                     ffi::Span<const int64_t> read_bytes) {
+                                     ffi::Span<const int64_t> read_bytes,
+                                     ffi::Span<const int64_t> offset_bytes) {
   RealKvSources out{};
   out.mode = mode;
   out.count = 0;
   const size_t n = srcs.size() < static_cast<size_t>(MAX_REAL_KV_SOURCES) ? srcs.size() : MAX_REAL_KV_SOURCES;
   for (size_t k = 0; k < n; ++k) {
     auto buf = srcs.get<ffi::AnyBuffer>(k);
-    if (!buf.has_value() || k >= page_size.size() || k >= bytes_per_token.size() || k >= read_bytes.size()) break;
+    if (!buf.has_value() || k >= page_size.size() || k >= bytes_per_token.size() || k >= read_bytes.size() ||
+        k >= offset_bytes.size())
+      break;
     const int64_t rows = dim_or_zero(*buf, 0);
     const int64_t row_bytes = rows > 0 ? static_cast<int64_t>(buf->size_bytes()) / rows : 0;
     out.src[out.count++] = make_source_view(static_cast<const uint8_t*>(buf->untyped_data()), rows, row_bytes,
-                                            page_size[k], bytes_per_token[k], read_bytes[k], mode);
+                                            page_size[k], bytes_per_token[k], read_bytes[k], offset_bytes[k], mode);
   }
   if (out.count == 0) out.mode = static_cast<int32_t>(RealKvHashMode::NONE);
   if (out.mode == static_cast<int32_t>(RealKvHashMode::NONE)) out.count = 0;
@@ -129,20 +132,22 @@ template <class B>
 auto log_results(B&& b) {
   return std::move(b).template Ret<U8Array>().template Ret<I32Scalar>().template Ret<U8Array>().template Ret<U8Array>();
 }
-// The real-KV attributes: mode:i32 and the per-source geometry page_size/bytes_per_token/read_bytes: i64[4].
+// The real-KV attributes: mode:i32 and the per-source geometry
+// page_size/bytes_per_token/read_bytes/offset_bytes: i64[4].
 template <class B>
 auto source_attrs(B&& b) {
   return std::move(b).template Attr<int32_t>("mode")
       .template Attr<ffi::Span<const int64_t>>("page_size")
       .template Attr<ffi::Span<const int64_t>>("bytes_per_token")
-      .template Attr<ffi::Span<const int64_t>>("read_bytes");
+      .template Attr<ffi::Span<const int64_t>>("read_bytes")
+      .template Attr<ffi::Span<const int64_t>>("offset_bytes");
 }
 
 // ---- VERIFY --------------------------------------------------------------------------------------
 // kvcanary_verify(canary, ring, write_index, kernel_counters, slot_counters,
 //                 slot_indices, expected_tokens, expected_positions, prev_slot_indices, num_valid, enable,
 //                 *sources) -> (ring, write_index, kernel_counters, slot_counters, scratch)
-//   attrs: tag:i64, check_token:bool, mode:i32, page_size/bytes_per_token/read_bytes: i64[4]
+//   attrs: tag:i64, check_token:bool, mode:i32, page_size/bytes_per_token/read_bytes/offset_bytes: i64[4]
 template <class P>
 auto verify_binding() {
   auto args = log_args(ffi::Ffi::Bind().template Ctx<typename P::Context>().template Arg<U8Array>())  // canary
@@ -167,7 +172,8 @@ ffi::Error verify_handler(typename P::Ctx ctx, U8Array canary, U8Array ring, I32
                           I32ScalarOut write_index_out, U8ArrayOut kernel_counters_out,
                           U8ArrayOut slot_counters_out, ScratchOut scratch, int64_t tag, bool check_token,
                           int32_t mode, ffi::Span<const int64_t> page_size,
-                          ffi::Span<const int64_t> bytes_per_token, ffi::Span<const int64_t> read_bytes) {
+                          ffi::Span<const int64_t> bytes_per_token, ffi::Span<const int64_t> read_bytes,
+                          ffi::Span<const int64_t> offset_bytes) {
   ffi::Error err = alias_log<P>(ctx, ring, write_index, kernel_counters, slot_counters, ring_out,
                                 write_index_out, kernel_counters_out, slot_counters_out);
   if (err.failure()) return err;
@@ -178,7 +184,7 @@ ffi::Error verify_handler(typename P::Ctx ctx, U8Array canary, U8Array ring, I32
   a.positions = index_view(positions);
   a.prevs = index_view(prevs);
   a.check_token = check_token;
-  a.sources = real_kv_sources(srcs, mode, page_size, bytes_per_token, read_bytes);
+  a.sources = real_kv_sources(srcs, mode, page_size, bytes_per_token, read_bytes, offset_bytes);
   a.tag = tag;
   return P::verify(ctx, a, dim_or_zero(slots, 0), num_valid.typed_data(), enable.typed_data(),
                    log_view(ring_out, write_index_out, kernel_counters_out, slot_counters_out),
@@ -190,7 +196,7 @@ ffi::Error verify_handler(typename P::Ctx ctx, U8Array canary, U8Array ring, I32
 //                offsets, seed_slot_indices, num_valid_reqs, input_ids, positions, out_cache_loc,
 //                expected_tokens, expected_positions, *sources)
 //   -> (canary, ring, write_index, kernel_counters, slot_counters, scratch)
-//   attrs: tag:i64, input_assert:bool, mode:i32, page_size/bytes_per_token/read_bytes: i64[4]
+//   attrs: tag:i64, input_assert:bool, mode:i32, page_size/bytes_per_token/read_bytes/offset_bytes: i64[4]
 template <class P>
 auto write_binding() {
   auto args = log_args(ffi::Ffi::Bind().template Ctx<typename P::Context>().template Arg<U8Array>())  // canary
@@ -219,7 +225,8 @@ ffi::Error write_handler(typename P::Ctx ctx, U8Array canary, U8Array ring, I32S
                          U8ArrayOut canary_out, U8ArrayOut ring_out, I32ScalarOut write_index_out,
                          U8ArrayOut kernel_counters_out, U8ArrayOut slot_counters_out, ScratchOut scratch,
                          int64_t tag, bool input_assert, int32_t mode, ffi::Span<const int64_t> page_size,
-                         ffi::Span<const int64_t> bytes_per_token, ffi::Span<const int64_t> read_bytes) {
+                         ffi::Span<const int64_t> bytes_per_token, ffi::Span<const int64_t> read_bytes,
+                         ffi::Span<const int64_t> offset_bytes) {
   ffi::Error err = alias_in<P>(ctx, canary, canary_out);
   if (err.success())
     err = alias_log<P>(ctx, ring, write_index, kernel_counters, slot_counters, ring_out, write_index_out,
@@ -238,7 +245,7 @@ ffi::Error write_handler(typename P::Ctx ctx, U8Array canary, U8Array ring, I32S
   // when the assert is off), so the assert can never read past them.
   a.input_assert = input_assert && dim_or_zero(exp_tokens, 0) >= n_tokens && dim_or_zero(exp_positions, 0) >= n_tokens;
   a.chain_assert = false;  // a buffer value: the launcher reads chain_flag
-  a.sources = real_kv_sources(srcs, mode, page_size, bytes_per_token, read_bytes);
+  a.sources = real_kv_sources(srcs, mode, page_size, bytes_per_token, read_bytes, offset_bytes);
   a.tag = tag;
   return P::write(ctx, a, index_view(offsets), dim_or_zero(seeds, 0), n_tokens, num_valid_reqs.typed_data(),
                   chain_flag.typed_data(),

@@ -97,10 +97,42 @@ U8 = jnp.zeros((4, 64), jnp.uint8)
     ((U8, 4, 32, 16), ValueError,
      "kv-canary: RealKvSource row is too narrow for its slot layout: a row is 64 bytes but page_size=4 x "
      "num_bytes_per_token=32 needs 128"),
+    # offset_bytes (format.md §4.4: its type with the other ints, then 4a and 4b before the array)
+    ((U8, 1, 32, 16, 1.0), TypeError, "kv-canary: RealKvSource.offset_bytes must be an int, got float"),
+    ((U8, 1, 32, 16, "16"), TypeError, "kv-canary: RealKvSource.offset_bytes must be an int, got str"),
+    ((U8, 1, 32, 16, -16), ValueError,
+     "kv-canary: RealKvSource.offset_bytes must be a non-negative multiple of 16, got -16"),
+    ((U8, 1, 32, 16, 8), ValueError,
+     "kv-canary: RealKvSource.offset_bytes must be a non-negative multiple of 16, got 8"),
+    ((U8, 1, 32, 16, 32), ValueError,
+     "kv-canary: RealKvSource.offset_bytes + read_bytes must be <= num_bytes_per_token=32, got 32 + 16"),
+    ((U8, 1, 64, 48, 32), ValueError,
+     "kv-canary: RealKvSource.offset_bytes + read_bytes must be <= num_bytes_per_token=64, got 32 + 48"),
+    # order: the int checks come first (offset type before page_size's value), and the offset's
+    # value checks before the array's
+    ((U8, 0, 16, 16, None), TypeError, "kv-canary: RealKvSource.offset_bytes must be an int, got NoneType"),
+    ((U8, 1, 32, 48, 16), ValueError,
+     "kv-canary: RealKvSource.read_bytes must be a positive multiple of 16 in (0, num_bytes_per_token=32], got 48"),
+    (([1, 2], 1, 32, 16, 8), ValueError,
+     "kv-canary: RealKvSource.offset_bytes must be a non-negative multiple of 16, got 8"),
+    ((jnp.zeros(64, jnp.uint8), 1, 32, 16, 32), ValueError,
+     "kv-canary: RealKvSource.offset_bytes + read_bytes must be <= num_bytes_per_token=32, got 32 + 16"),
 ])
 def test_real_kv_source_errors(args, exc, msg):
     with raises(exc, msg):
         kvc.RealKvSource(*args)
+
+
+def test_real_kv_source_offset_keyword_and_limits():
+    assert kvc.RealKvSource(U8, 1, 16, 16).offset_bytes == 0
+    src = kvc.RealKvSource(U8, 1, 64, 16, offset_bytes=np.int64(48))   # the largest allowed
+    assert src.offset_bytes == 48 and type(src.offset_bytes) is int
+    assert "offset_bytes=48" in repr(src)
+    # the row-width check still bounds every read: page_size * num_bytes_per_token fills the row
+    assert kvc.RealKvSource(U8, 2, 32, 16, 16).offset_bytes == 16
+    with raises(ValueError, "kv-canary: RealKvSource row is too narrow for its slot layout: a row is 64 "
+                "bytes but page_size=2 x num_bytes_per_token=48 needs 96"):
+        kvc.RealKvSource(U8, 2, 48, 16, 32)
 
 
 def test_type_errors_are_also_value_errors():
@@ -113,7 +145,18 @@ def test_real_kv_source_pytree_bypasses_checks():
     src = kvc.RealKvSource(U8, 4, 16, 16)
     leaves, tree = jax.tree_util.tree_flatten(src)
     again = jax.tree_util.tree_unflatten(tree, [object()])
-    assert again.page_size == 4 and again.read_bytes == 16
+    assert again.page_size == 4 and again.read_bytes == 16 and again.offset_bytes == 0
+
+
+def test_real_kv_source_offset_is_static_aux():
+    src = kvc.RealKvSource(U8, 1, 64, 16, offset_bytes=32)
+    leaves, tree = jax.tree_util.tree_flatten(src)
+    assert len(leaves) == 1 and leaves[0] is U8
+    again = jax.tree_util.tree_unflatten(tree, leaves)
+    assert (again.page_size, again.num_bytes_per_token, again.read_bytes, again.offset_bytes) == (1, 64, 16, 32)
+    # a different offset is a different treedef (a different compile), the same offset the same one
+    assert tree != jax.tree_util.tree_structure(kvc.RealKvSource(U8, 1, 64, 16, offset_bytes=16))
+    assert tree == jax.tree_util.tree_structure(kvc.RealKvSource(U8, 1, 64, 16, offset_bytes=32))
 
 
 # ---- shared blocks via write and verify ---------------------------------------------------------

@@ -78,7 +78,7 @@ def _compile(name: str, flags) -> str:
 
 
 _P, _I64, _I32, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int
-_SRC_ARGS = [_I32, _I, ctypes.POINTER(ctypes.c_void_p)] + [ctypes.POINTER(ctypes.c_int64)] * 5
+_SRC_ARGS = [_I32, _I, ctypes.POINTER(ctypes.c_void_p)] + [ctypes.POINTER(ctypes.c_int64)] * 6
 _SIGS = {
     "kvc_emu_verify": [_P, _I64, _I64, _P, _I64, _P, _P, _P] + [_P, _I] * 4 + [_I64, _P, _P, _I, _I64] + _SRC_ARGS,
     "kvc_emu_write": [_P, _I64, _I64, _P, _I64, _P, _P, _P, _P, _P, _I, _P, _I, _I64, _P, _P, _I, _P, _I, _P, _I,
@@ -126,7 +126,8 @@ class Emu:
         rows = [a.shape[0] for a in arrays]
         row_bytes = [a.nbytes // a.shape[0] if a.shape[0] else 0 for a in arrays]
         return [mode, n, data, i64s(rows), i64s(row_bytes), i64s([s.page_size for s in sources]),
-                i64s([s.num_bytes_per_token for s in sources]), i64s([s.read_bytes for s in sources])]
+                i64s([s.num_bytes_per_token for s in sources]), i64s([s.read_bytes for s in sources]),
+                i64s([s.offset_bytes for s in sources])]
 
     @staticmethod
     def _log_copy(log):

@@ -166,3 +166,33 @@ def test_source_addressing_hashing():
     for dt in (jnp.bfloat16, np.float16, np.float32, np.int32):
         v = np.asarray(_addressing_source()).view(dt)
         assert hashing.slot_real_kv_hash([kvc.RealKvSource(v, 4, 32, 32)], 9, ALL) == 0x9f04b7ee5eee5bd3
+
+
+def test_source_addressing_offset_hashing():
+    """§12.4's offset example: the strip starts offset_bytes into the slot."""
+    a = kvc.RealKvSource(_addressing_source(), 4, 64, 32, offset_bytes=32)
+    # slot 9 -> row 2, column 1 * 64 + 32 = 96, flat offset 608
+    np.testing.assert_array_equal(hashing.slot_strip(a, 9, ALL), np.arange(608, 640) & 0xFF)
+    assert [int(w) for w in hashing.slot_strip_words(a, 9, PARTIAL)] == [0x6766656463626160,
+                                                                         0x6f6e6d6c6b6a6968]
+    assert hashing.slot_real_kv_hash([a], 9, PARTIAL) == 0x344bdaf9666261f8
+    assert hashing.to_i64(0x344bdaf9666261f8) == 3768346277924987384
+    assert hashing.slot_real_kv_hash([a], 9, ALL) == 0x40612c9889df0761
+    assert hashing.to_i64(0x40612c9889df0761) == 4639038124828067681
+    assert hashing.slot_real_kv_hash([a, kvc.RealKvSource(_addressing_source(), 4, 64, 32)], 9, ALL) == \
+        0x7d91c4c56900e4c1
+    assert hashing.slot_real_kv_hash([a], 9, NONE) == 0
+    assert hashing.first_unaddressable_source([a], 15) is None       # the offset moves no row
+    assert hashing.first_unaddressable_source([a], 16) == 0
+    # page_size 1, the largest offset (num_bytes_per_token - read_bytes): slot 2 reads flat 736..767
+    p1 = kvc.RealKvSource(_addressing_source(), 1, 256, 32, offset_bytes=224)
+    np.testing.assert_array_equal(hashing.slot_strip(p1, 2, ALL), np.arange(736, 768) & 0xFF)
+    assert hashing.slot_real_kv_hash([p1], 2, PARTIAL) == 0xbb4593d6cc0f0e28
+    assert hashing.to_i64(0xbb4593d6cc0f0e28) == -4952389664468169176
+    assert hashing.slot_real_kv_hash([p1], 2, ALL) == 0x3555c04ab5eeab7e
+    assert hashing.to_i64(0x3555c04ab5eeab7e) == 3843189284143016830
+    # the same bytes as a sliced copy (what a caller does without offset_bytes)
+    sliced = np.ascontiguousarray(_addressing_source().reshape(4, 4, 64)[:, :, 32:64]).reshape(4, 128)
+    s = kvc.RealKvSource(sliced, 4, 32, 32)
+    for mode in (PARTIAL, ALL):
+        assert hashing.slot_real_kv_hash([s], 9, mode) == hashing.slot_real_kv_hash([a], 9, mode)

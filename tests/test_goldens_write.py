@@ -107,6 +107,15 @@ REALKV_WRITE_CASES = [
      0x9f04b7ee5eee5bd3),
     ("addr_3d_f16", [(_addressing_source().view(np.float16).reshape(4, 8, 16), 4, 32, 32)], 9,
      PARTIAL, 0x2c75ca2b6b98a11a),
+    # offset_bytes (§12.4): the strip starts inside the slot
+    ("addr_offset_partial", [(_addressing_source(), 4, 64, 32, 32)], 9, PARTIAL, 0x344bdaf9666261f8),
+    ("addr_offset_all", [(_addressing_source(), 4, 64, 32, 32)], 9, ALL, 0x40612c9889df0761),
+    ("addr_offset_bf16_3d", [(_addressing_source().view(jnp.bfloat16).reshape(4, 2, 64), 4, 64, 32, 32)],
+     9, ALL, 0x40612c9889df0761),
+    ("addr_p1_offset_max_partial", [(_addressing_source(), 1, 256, 32, 224)], 2, PARTIAL, 0xbb4593d6cc0f0e28),
+    ("addr_p1_offset_max_all", [(_addressing_source(), 1, 256, 32, 224)], 2, ALL, 0x3555c04ab5eeab7e),
+    ("addr_offset_then_plain", [(_addressing_source(), 4, 64, 32, 32), (_addressing_source(), 4, 64, 32)], 9,
+     ALL, 0x7d91c4c56900e4c1),
 ]
 
 
@@ -114,7 +123,7 @@ REALKV_WRITE_CASES = [
                          ids=[c[0] for c in REALKV_WRITE_CASES])
 def test_realkv_write(ops, name, sources, slot, mode, expect):
     if slot == 0:  # verify skips slot 0 (padding): move the strip to slot 1 of a 2-row source
-        sources = [(np.concatenate([np.zeros_like(a), a]), ps, nb, rb) for a, ps, nb, rb in sources]
+        sources = [(np.concatenate([np.zeros_like(a), a]), *geometry) for a, *geometry in sources]
         slot = 1
     srcs = [src(*s) for s in sources]
     canary, log = _one_slot_write(ops, srcs, mode, slot=slot, num_slots=16)
@@ -125,21 +134,82 @@ def test_realkv_write(ops, name, sources, slot, mode, expect):
     vlog = ops.verify(canary, log, plan, tag=2, real_kv_sources=tuple(srcs), real_kv_hash_mode=mode)
     assert vlog.total() == 0
     if mode != NONE:
-        a = np.array(np.asarray(srcs[0].array))
-        b = a.view(np.uint8).reshape(a.shape[0], -1)
-        ps, nb = srcs[0].page_size, srcs[0].num_bytes_per_token
-        b[slot // ps, (slot % ps) * nb] ^= 0xFF
-        flipped = [kvc.RealKvSource(jnp.asarray(a), ps, nb, srcs[0].read_bytes)] + srcs[1:]
-        vlog = ops.verify(canary, log, plan, tag=2, real_kv_sources=tuple(flipped),
-                          real_kv_hash_mode=mode)
-        assert rows(vlog) == [[2, slot, 0, 7, -1, H0S, H0S, 4]]
+        s0 = srcs[0]
+        ps, nb, off = s0.page_size, s0.num_bytes_per_token, s0.offset_bytes
+
+        def flip(col):
+            a = np.array(np.asarray(s0.array))
+            a.view(np.uint8).reshape(a.shape[0], -1)[slot // ps, (slot % ps) * nb + col] ^= 0xFF
+            flipped = [kvc.RealKvSource(jnp.asarray(a), ps, nb, s0.read_bytes, off)] + srcs[1:]
+            return rows(ops.verify(canary, log, plan, tag=2, real_kv_sources=tuple(flipped),
+                                   real_kv_hash_mode=mode))
+
+        assert flip(off) == [[2, slot, 0, 7, -1, H0S, H0S, 4]]     # the strip's first byte
+        if off:
+            assert flip(off - 1) == []                              # a byte before the strip
 
 
 def test_realkv_addressing_oob_slot16(ops):
-    srcs = (src(_addressing_source(), 4, 32, 32),)
-    canary, log = _one_slot_write(ops, srcs, ALL, slot=16, num_slots=20, tag=4, tok=9, pos=0)
-    assert rows(log) == [[4, 16, 0, 9, 4, 16, 4, 64]]
-    assert fields(canary)[16].tolist() == [9, 0, H0S, 0]
+    for srcs in ((src(_addressing_source(), 4, 32, 32),), (src(_addressing_source(), 4, 64, 32, 32),)):
+        canary, log = _one_slot_write(ops, srcs, ALL, slot=16, num_slots=20, tag=4, tok=9, pos=0)
+        assert rows(log) == [[4, 16, 0, 9, 4, 16, 4, 64]]
+        assert fields(canary)[16].tolist() == [9, 0, H0S, 0]
+
+
+def _sliced_copy(a, page_size, nbpt, lo, hi):
+    """The copy a caller makes without offset_bytes: bytes [lo, hi) of every slot, ``uint8[rows,
+    page_size * (hi - lo)]``."""
+    b = np.ascontiguousarray(a).view(np.uint8).reshape(a.shape[0], -1)[:, :page_size * nbpt]
+    return np.ascontiguousarray(b.reshape(a.shape[0], page_size, nbpt)[:, :, lo:hi]).reshape(a.shape[0], -1)
+
+
+# (page_size, num_bytes_per_token, [(read_bytes, offset_bytes) per source], dtype, row hole bytes)
+OFFSET_EQUIV = [
+    (1, 64, [(32, 32)], np.uint8, 0),
+    (1, 256, [(16, 128), (64, 192), (32, 0)], "bfloat16", 16),
+    (4, 48, [(32, 16), (16, 32)], np.float32, 0),
+    (2, 64, [(16, 48), (48, 16), (64, 0), (32, 16)], np.int32, 32),
+]
+
+
+@pytest.mark.parametrize("mode", [PARTIAL, ALL], ids=["partial", "all"])
+@pytest.mark.parametrize("ps,nbpt,geos,dtype,hole", OFFSET_EQUIV,
+                         ids=[f"p{c[0]}n{c[1]}x{len(c[2])}" for c in OFFSET_EQUIV])
+def test_offset_equals_sliced_copy(ops, mode, ps, nbpt, geos, dtype, hole):
+    """``RealKvSource(a, ps, n, r, offset_bytes=o)`` fingerprints what ``RealKvSource(a_sliced, ps, w,
+    w)`` does, ``a_sliced`` the copy of bytes ``[o, o + w)`` of every slot (``w = r`` for ALL, 16 for
+    PARTIAL); slots past the rows give the same out-of-range rows."""
+    rng = np.random.default_rng([7, ps, nbpt, len(geos), int(mode)])
+    S = 40
+    rows_ = 32 // ps                         # slots 32.. are past every source's rows
+    arrays = [rng.integers(0, 256, (rows_, ps * nbpt + hole), dtype=np.uint8) for _ in geos]
+    if dtype == "bfloat16":
+        arrays = [a.view(jnp.bfloat16).reshape(rows_, 2, -1) for a in arrays]
+    else:
+        arrays = [a.view(dtype) for a in arrays]
+    with_offset = tuple(src(a, ps, nbpt, r, o) for a, (r, o) in zip(arrays, geos))
+    sliced = []
+    for a, (r, o) in zip(arrays, geos):
+        w = 16 if mode == PARTIAL else r
+        sliced.append(src(_sliced_copy(a, ps, nbpt, o, o + w), ps, w, w))
+    slots = list(range(1, S - 1))
+    positions = list(range(len(slots)))
+
+    def run(srcs):
+        return do_write(ops, canary_with(S), kvc.ViolationLog.create(64), [0, len(slots)], [-1], slots,
+                        slots, positions, tag=5, real_kv_sources=srcs, real_kv_hash_mode=mode)
+
+    canary, log = run(with_offset)
+    canary_s, log_s = run(tuple(sliced))
+    np.testing.assert_array_equal(np.asarray(canary), np.asarray(canary_s))
+    assert rows(log) == rows(log_s) and len(rows(log)) == S - 1 - 32
+    got = fields(canary)[1:32, 3]
+    expect = hashing.slot_real_kv_hash(tuple(sliced), np.arange(1, 32), mode)
+    np.testing.assert_array_equal(got, hashing.to_i64(expect))
+    assert (got != 0).all()
+    vlog = ops.verify(canary, kvc.ViolationLog.create(64), vplan(slots, positions, [0] * len(slots)),
+                      tag=5, real_kv_sources=with_offset, real_kv_hash_mode=mode)
+    assert [r[5] for r in rows(vlog)] == [16] * (S - 1 - 32)    # only the out-of-range rows
 
 
 def _example_a(ops):

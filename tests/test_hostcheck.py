@@ -19,14 +19,18 @@ from jax_kvcanary.runtime.offload import export_records
 from tests.support.impls import COMPARED_IMPLS
 
 
-def _case(seed, mode):
+def _case(seed, mode, offsets=False):
     """Two host sources (float32 pages of 4 slots x 64 B; bfloat16 pages, fewer rows), records with
-    correct fingerprints except a few, slots with padding, out-of-range, repeated and slot 0."""
+    correct fingerprints except a few, slots with padding, out-of-range, repeated and slot 0. With
+    ``offsets`` the strips start inside the slots (offset_bytes 32 and 16, the largest allowed)."""
     rng = np.random.default_rng(seed)
     kv = H.aligned_host_array((8, 4, 16), np.float32)
     kv[:] = rng.standard_normal(kv.shape)
     kv2 = rng.standard_normal((6, 4, 32)).astype(ml_dtypes.bfloat16)
-    srcs = (kvc.RealKvSource(kv, 4, 64, 64), kvc.RealKvSource(kv2, 4, 64, 32))
+    if offsets:
+        srcs = (kvc.RealKvSource(kv, 4, 64, 32, offset_bytes=32), kvc.RealKvSource(kv2, 4, 64, 48, offset_bytes=16))
+    else:
+        srcs = (kvc.RealKvSource(kv, 4, 64, 64), kvc.RealKvSource(kv2, 4, 64, 32))
     n = 24
     slots = rng.integers(-2, 35, n)
     slots[[3, 4, 5]] = [0, 7, 7]
@@ -38,8 +42,9 @@ def _case(seed, mode):
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("mode", [RealKvHashMode.PARTIAL, RealKvHashMode.ALL])
-def test_every_backend_matches_the_reference(seed, mode):
-    srcs, records, slots = _case(seed, mode)
+@pytest.mark.parametrize("offsets", [False, True], ids=["offset0", "offsets"])
+def test_every_backend_matches_the_reference(seed, mode, offsets):
+    srcs, records, slots = _case(seed, mode, offsets)
     names = slots + 1000
     want = reference.host_check(srcs, records, slots, real_kv_hash_mode=mode, tag=13, report_slots=names)
     assert len(want) and set(want[:, 7]) <= {4, 64}
@@ -94,6 +99,41 @@ def test_clean_host_copy_is_silent_and_a_flipped_byte_names_the_device_slot():
     assert H.check_host_copy(p_src, p_records, p_slots, real_kv_hash_mode=1, tag=12).ok
     p_host.view(np.uint8).reshape(6, -1)[2, 64 + 3] ^= 0x10
     assert [r[1] for r in H.check_host_copy(p_src, p_records, p_slots, real_kv_hash_mode=1, tag=12).rows] == [5]
+
+
+def test_host_check_with_offset_bytes():
+    """A fused device KV (each slot [K 32 B, V 32 B]): the V fingerprint reads the V half in place
+    through offset_bytes, on the device and on the host copy; a flipped K byte is outside it."""
+    rng = np.random.default_rng(3)
+    kv = jnp.asarray(rng.standard_normal((5, 4, 2, 8)).astype(np.float32))     # pages of 4 slots x 64 B
+    slots = jnp.arange(9, 15, dtype=jnp.int32)
+    wp = kvc.WritePlan(jnp.asarray([0, 6], jnp.int32), jnp.asarray([-1], jnp.int32), jnp.asarray([1], jnp.int32))
+    for mode in (RealKvHashMode.PARTIAL, RealKvHashMode.ALL):
+        v_half = kvc.RealKvSource(kv, 4, 64, 32, offset_bytes=32)
+        canary, log = kvc.write(kvc.new_canary_buffer(20), kvc.ViolationLog.create(), wp,
+                                jnp.arange(100, 106, dtype=jnp.int32), jnp.arange(6, dtype=jnp.int32), slots,
+                                tag=kvc.LaunchTag.TAIL_V_FULL, real_kv_sources=(v_half,), real_kv_hash_mode=mode)
+        assert log.total() == 0
+        records, _ = export_records(canary, slots)
+        records = np.asarray(records)
+        host = H.aligned_host_array((6, 2, 2, 8), np.float32)        # host pages of 2 slots
+        host_slots = np.arange(2, 8, dtype=np.int32)
+        host.reshape(12, 2, 8)[host_slots] = np.asarray(kv).reshape(20, 2, 8)[np.asarray(slots)]
+        src = kvc.RealKvSource(host, 2, 64, 32, offset_bytes=32)
+        for impl in COMPARED_IMPLS:
+            res = H.check_host_copy(src, records, host_slots, real_kv_hash_mode=mode, tag=13, report_slots=slots,
+                                    impl=impl)
+            assert res.ok and res.checked == 6, impl
+        b = host.view(np.uint8).reshape(6, -1)
+        b[2, 64 + 5] ^= 0x10                                          # host slot 5: K byte 5, outside
+        b[3, 32 + 3] ^= 0x10                                          # host slot 6: V byte 3, inside
+        want = reference.host_check((src,), records, host_slots, real_kv_hash_mode=mode, tag=13,
+                                    report_slots=np.asarray(slots))
+        assert [r[1] for r in want] == [13]                           # device slot of host slot 6
+        for impl in COMPARED_IMPLS:
+            got = H.check_host_copy(src, records, host_slots, real_kv_hash_mode=mode, tag=13, report_slots=slots,
+                                    impl=impl)
+            assert np.array_equal(got.rows, want), impl
 
 
 def test_host_source_may_be_a_cpu_jax_array_and_aligned_arrays_are_read_in_place():

@@ -89,3 +89,36 @@ def test_pack_errors():
         pack_transfer({"FULL": [1]}, {}, {}, fingerprints={"TAIL_K_FULL": [("FULL/k/1", 16)]})
     with pytest.raises(ValueError, match="kv-canary: transfer kv name 'MID/k' names no group"):
         pack_transfer({"FULL": [1]}, {"MID/k": np.ones((1, 16), np.float32)}, {})
+
+
+def test_fingerprint_with_offset_bytes():
+    """A fused entry [K 32 B, V 32 B]: the V fingerprint names the same KV array with offset_bytes 32
+    (no separate V copy in the pack); a source without an offset packs exactly as before."""
+    import jax_kvcanary as kvc
+    from jax_kvcanary import hashing
+    kv = np.random.default_rng(5).integers(0, 256, (3, 64), dtype=np.uint8)
+    v_src = kvc.RealKvSource(kv, 1, 64, 32, offset_bytes=32)
+    rec = np.zeros((3, 4), np.int64)
+    rec[:, 1] = [7, 8, 9]
+    rec[:, 3] = hashing.to_i64(hashing.slot_real_kv_hash((v_src,), np.arange(3), 2))
+    rec = rec.view(np.uint8).reshape(3, 32)
+
+    def make(kv_bytes, fp):
+        return pack_transfer({"FULL": [4, 5, 6]}, {"FULL/kv/0": kv_bytes}, {"TAIL_V_FULL": rec},
+                             fingerprints={"TAIL_V_FULL": fp}, real_kv_hash_mode=2)
+
+    pack, result = unpack_transfer(make(kv, [("FULL/kv/0", 32, 32)]))
+    assert pack.fingerprints == {"TAIL_V_FULL": (("FULL/kv/0", 32, 32),)}
+    assert result.ok and result.checked == 3
+    k_flip, v_flip = kv.copy(), kv.copy()
+    k_flip[1, 5] ^= 1                              # entry 1's K: outside the V strip
+    v_flip[2, 32 + 5] ^= 1                         # entry 2's V
+    assert unpack_transfer(make(k_flip, [("FULL/kv/0", 32, 32)]))[1].ok
+    rows = unpack_transfer(make(v_flip, [("FULL/kv/0", 32, 32)]))[1].rows
+    assert [(r[1], r[2], r[7]) for r in rows] == [(6, 9, 4)]   # the sender's slot and the position
+    # without the offset the same pack reads K: every record mismatches
+    assert len(unpack_transfer(make(kv, [("FULL/kv/0", 32)]))[1].rows) == 3
+    # offset 0 is the old form: the same bytes whether it is given or not
+    assert make(kv, [("FULL/kv/0", 32, 0)]) == make(kv, [("FULL/kv/0", 32)])
+    assert unpack_transfer(make(kv, [("FULL/kv/0", 32, 0)]), check=False)[0].fingerprints == {
+        "TAIL_V_FULL": (("FULL/kv/0", 32),)}

@@ -58,7 +58,7 @@ def _sources(rng, S):
     return (
         kvc.RealKvSource(jnp.asarray(raw(S, 96).view(np.int8).reshape(S, 2, 2, 24)), 1, 96, 96),  # 6 chunks
         kvc.RealKvSource(jnp.asarray(raw(S // 2, 64).view(ml_dtypes.bfloat16)), 2, 32, 32),
-        kvc.RealKvSource(jnp.asarray(c64), 1, 32, 16),
+        kvc.RealKvSource(jnp.asarray(c64), 1, 32, 16, offset_bytes=16),  # the strip's second half
         kvc.RealKvSource(jnp.asarray(raw(S // 4 - 1, 80).view(np.float32).reshape(-1, 4, 5)), 4, 16, 16),
     )
 

@@ -159,7 +159,8 @@ def _source_attrs(real_kv_sources, real_kv_hash_mode) -> dict:
         return np.array([getattr(s, name) for s in real_kv_sources] + [0] * pad, dtype=np.int64)
 
     return dict(mode=np.int32(real_kv_hash_mode), page_size=field("page_size"),
-                bytes_per_token=field("num_bytes_per_token"), read_bytes=field("read_bytes"))
+                bytes_per_token=field("num_bytes_per_token"), read_bytes=field("read_bytes"),
+                offset_bytes=field("offset_bytes"))
 
 
 def _log_outputs(log: ViolationLog):

@@ -213,16 +213,16 @@ def source_row_of(source, slot: int) -> int:
 def slot_strip(source, slot, mode, image: np.ndarray | None = None) -> np.ndarray:
     """The bytes of slot ``slot``'s strip that the fold reads: ``uint8[eff]`` (a copy).
 
-    ``row = slot // page_size``, ``col = (slot % page_size) * num_bytes_per_token``; ``eff`` from
-    :func:`effective_bytes`. ``slot`` may also be an int array ``[n]`` -> ``uint8[n, eff]``.
-    The caller guarantees ``0 <= slot`` and ``row < rows``. ``image`` may pass a precomputed
-    :func:`source_row_image`.
+    ``row = slot // page_size``, ``col = (slot % page_size) * num_bytes_per_token + offset_bytes``;
+    ``eff`` from :func:`effective_bytes`. ``slot`` may also be an int array ``[n]`` ->
+    ``uint8[n, eff]``. The caller guarantees ``0 <= slot`` and ``row < rows``. ``image`` may pass a
+    precomputed :func:`source_row_image`.
     """
     img = source_row_image(source) if image is None else image
     eff = effective_bytes(source, mode)
     ps, nb = int(source.page_size), int(source.num_bytes_per_token)
     s = np.asarray(slot, dtype=np.int64)
-    row, col = s // ps, (s % ps) * nb
+    row, col = s // ps, (s % ps) * nb + int(source.offset_bytes)
     idx = col[..., None] + np.arange(eff, dtype=np.int64)
     return img[row[..., None], idx] if s.ndim else img[int(row), int(col):int(col) + eff].copy()
 

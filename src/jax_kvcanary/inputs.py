@@ -72,9 +72,9 @@ def source_row_bytes(array) -> int:
 class RealKvSource:
     """One live KV array to fingerprint, with its slot addressing (docs/format.md §4.4).
 
-    Slot ``s`` reads ``eff`` bytes at ``(s % page_size) * num_bytes_per_token`` of row
+    Slot ``s`` reads ``eff`` bytes at ``(s % page_size) * num_bytes_per_token + offset_bytes`` of row
     ``s // page_size``, with ``eff = 16`` (PARTIAL) or ``read_bytes`` (ALL). A pytree whose only
-    child is ``array``; the three ints are static.
+    child is ``array``; the four ints are static.
 
     Args:
       array: the live KV buffer, a jax.Array of any dtype of >= 8 bits with >= 2 dimensions; row
@@ -84,16 +84,23 @@ class RealKvSource:
       num_bytes_per_token: bytes between consecutive slots of a row, a positive multiple of 16;
         ``page_size * num_bytes_per_token`` must fit in a row.
       read_bytes: bytes per slot folded in ALL mode, a multiple of 16 in ``(0, num_bytes_per_token]``.
+      offset_bytes: where the strip starts inside each slot's ``num_bytes_per_token`` bytes, a
+        non-negative multiple of 16 with ``offset_bytes + read_bytes <= num_bytes_per_token``
+        (default 0: the slot's first bytes). The JAX form of a torch view's storage offset: e.g. V
+        head 0 of an interleaved fused row ``[K0, V0, K1, V1, ...]`` is
+        ``RealKvSource(kv, 1, row_bytes, 16, offset_bytes=head_bytes)``, read in place, where a
+        slice ``kv[:, 1, :16 bytes]`` would make XLA copy those bytes of every slot of the pool.
 
     Raises:
       TypeError, ValueError: a ``kv-canary:`` message naming the field, the expected and the actual
         value (the upstream texts).
     """
 
-    def __init__(self, array, page_size, num_bytes_per_token, read_bytes):
+    def __init__(self, array, page_size, num_bytes_per_token, read_bytes, offset_bytes=0):
         page_size = _static_int("page_size", page_size)
         num_bytes_per_token = _static_int("num_bytes_per_token", num_bytes_per_token)
         read_bytes = _static_int("read_bytes", read_bytes)
+        offset_bytes = _static_int("offset_bytes", offset_bytes)
         if page_size < 1:
             raise ValueError(f"kv-canary: RealKvSource.page_size must be >= 1, got {page_size}")
         if num_bytes_per_token <= 0 or num_bytes_per_token % consts.REAL_KV_CHUNK_BYTES:
@@ -105,6 +112,13 @@ class RealKvSource:
             raise ValueError(
                 "kv-canary: RealKvSource.read_bytes must be a positive multiple of 16 in "
                 f"(0, num_bytes_per_token={num_bytes_per_token}], got {read_bytes}")
+        if offset_bytes < 0 or offset_bytes % consts.REAL_KV_CHUNK_BYTES:
+            raise ValueError(
+                f"kv-canary: RealKvSource.offset_bytes must be a non-negative multiple of 16, got {offset_bytes}")
+        if offset_bytes + read_bytes > num_bytes_per_token:
+            raise ValueError(
+                "kv-canary: RealKvSource.offset_bytes + read_bytes must be <= num_bytes_per_token="
+                f"{num_bytes_per_token}, got {offset_bytes} + {read_bytes}")
         if not (hasattr(array, "shape") and hasattr(array, "dtype")):
             raise KvCanaryTypeError(
                 f"kv-canary: RealKvSource.array must be a jax.Array, got {type(array).__name__}")
@@ -130,6 +144,7 @@ class RealKvSource:
         self.page_size = page_size
         self.num_bytes_per_token = num_bytes_per_token
         self.read_bytes = read_bytes
+        self.offset_bytes = offset_bytes
 
     @property
     def rows(self) -> int:
@@ -140,19 +155,20 @@ class RealKvSource:
         return source_row_bytes(self.array)
 
     def tree_flatten(self):
-        return (self.array,), (self.page_size, self.num_bytes_per_token, self.read_bytes)
+        return (self.array,), (self.page_size, self.num_bytes_per_token, self.read_bytes, self.offset_bytes)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         obj = object.__new__(cls)  # bypass validation: leaves may be placeholders
         obj.array = children[0]
-        obj.page_size, obj.num_bytes_per_token, obj.read_bytes = aux
+        obj.page_size, obj.num_bytes_per_token, obj.read_bytes, obj.offset_bytes = aux
         return obj
 
     def __repr__(self):
         return (f"RealKvSource(array={getattr(self.array, 'shape', None)} "
                 f"{getattr(self.array, 'dtype', None)}, page_size={self.page_size}, "
-                f"num_bytes_per_token={self.num_bytes_per_token}, read_bytes={self.read_bytes})")
+                f"num_bytes_per_token={self.num_bytes_per_token}, read_bytes={self.read_bytes}, "
+                f"offset_bytes={self.offset_bytes})")
 
 
 def _is_sub_byte(dtype: np.dtype) -> bool:

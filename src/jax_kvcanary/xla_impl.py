@@ -200,7 +200,8 @@ class _Src:
         self.words = _source_words(src.array)
         self.rows = int(src.array.shape[0])
         self.ps = int(src.page_size)
-        self.wpt = int(src.num_bytes_per_token) // 4       # words per token strip
+        self.wpt = int(src.num_bytes_per_token) // 4       # words per token slot
+        self.off = int(src.offset_bytes) // 4              # the strip's first word inside the slot
         eff = consts.REAL_KV_PARTIAL_BYTES if mode == int(consts.RealKvHashMode.PARTIAL) else int(src.read_bytes)
         self.chunks = eff // consts.REAL_KV_CHUNK_BYTES
 
@@ -232,7 +233,7 @@ def _fold_one(s: _Src, sc):
     if s.rows == 0:
         return acc
     rc = jnp.clip(sc // s.ps, 0, s.rows - 1)[:, None]
-    col = ((sc % s.ps) * s.wpt)[:, None] + _iota(4)[None, :]
+    col = ((sc % s.ps) * s.wpt + s.off)[:, None] + _iota(4)[None, :]
 
     def chunk(mi, acc):
         w = s.words[rc, col + 4 * mi]                      # [n, 4]

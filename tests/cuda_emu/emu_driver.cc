@@ -32,13 +32,14 @@ struct EmuScratch {
 IndexView iv(const void* p, int is64) { return IndexView{p, is64 != 0}; }
 
 RealKvSources sources(int32_t mode, int n, const void* const* data, const int64_t* rows, const int64_t* row_bytes,
-                      const int64_t* page_size, const int64_t* bytes_per_token, const int64_t* read_bytes) {
+                      const int64_t* page_size, const int64_t* bytes_per_token, const int64_t* read_bytes,
+                      const int64_t* offset_bytes) {
   RealKvSources out{};
   out.mode = mode;
   out.count = 0;
   for (int k = 0; k < n && k < MAX_REAL_KV_SOURCES; ++k)
     out.src[out.count++] = make_source_view(static_cast<const uint8_t*>(data[k]), rows[k], row_bytes[k],
-                                            page_size[k], bytes_per_token[k], read_bytes[k], mode);
+                                            page_size[k], bytes_per_token[k], read_bytes[k], offset_bytes[k], mode);
   if (out.count == 0) out.mode = static_cast<int32_t>(RealKvHashMode::NONE);
   if (out.mode == static_cast<int32_t>(RealKvHashMode::NONE)) out.count = 0;
   return out;
@@ -69,7 +70,7 @@ int kvc_emu_verify(uint8_t* canary, int64_t num_slots, int64_t stride, uint8_t* 
                    const void* prevs, int prevs64, int64_t capacity, const int32_t* num_valid, const int32_t* enable,
                    int check_token, int64_t tag, int32_t mode, int nsrc, const void* const* src_data,
                    const int64_t* src_rows, const int64_t* src_row_bytes, const int64_t* page_size,
-                   const int64_t* bytes_per_token, const int64_t* read_bytes) {
+                   const int64_t* bytes_per_token, const int64_t* read_bytes, const int64_t* offset_bytes) {
   VerifyArgs a{};
   a.canary = CanaryView{canary, num_slots, stride};
   a.slots = iv(slots, slots64);
@@ -77,7 +78,8 @@ int kvc_emu_verify(uint8_t* canary, int64_t num_slots, int64_t stride, uint8_t* 
   a.positions = iv(positions, positions64);
   a.prevs = iv(prevs, prevs64);
   a.check_token = check_token != 0;
-  a.sources = sources(mode, nsrc, src_data, src_rows, src_row_bytes, page_size, bytes_per_token, read_bytes);
+  a.sources = sources(mode, nsrc, src_data, src_rows, src_row_bytes, page_size, bytes_per_token, read_bytes,
+                      offset_bytes);
   a.tag = tag;
   EmuScratch scratch(verify_scratch_bytes(capacity));
   return report(verify_enqueue(a, capacity, num_valid, enable,
@@ -93,7 +95,7 @@ int kvc_emu_write(uint8_t* canary, int64_t num_slots, int64_t stride, uint8_t* r
                   const void* exp_tokens, int exp_tokens64, const void* exp_positions, int exp_positions64,
                   int64_t tag, int32_t mode, int nsrc, const void* const* src_data, const int64_t* src_rows,
                   const int64_t* src_row_bytes, const int64_t* page_size, const int64_t* bytes_per_token,
-                  const int64_t* read_bytes) {
+                  const int64_t* read_bytes, const int64_t* offset_bytes) {
   WriteArgs a{};
   a.canary = CanaryView{canary, num_slots, stride};
   a.seeds = iv(seeds, seeds64);
@@ -104,7 +106,8 @@ int kvc_emu_write(uint8_t* canary, int64_t num_slots, int64_t stride, uint8_t* r
   a.exp_positions = iv(exp_positions, exp_positions64);
   a.input_assert = input_assert != 0;
   a.chain_assert = false;
-  a.sources = sources(mode, nsrc, src_data, src_rows, src_row_bytes, page_size, bytes_per_token, read_bytes);
+  a.sources = sources(mode, nsrc, src_data, src_rows, src_row_bytes, page_size, bytes_per_token, read_bytes,
+                      offset_bytes);
   a.tag = tag;
   EmuScratch scratch(write_scratch_bytes(capacity, num_tokens));
   return report(write_enqueue(a, iv(offsets, offsets64), capacity, num_tokens, num_valid_reqs, chain_flag,

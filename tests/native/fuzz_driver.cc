@@ -3,10 +3,11 @@
 // Every case builds exact-size heap buffers (so AddressSanitizer flags any byte read or written
 // outside them), fills them with malformed values (negative and huge slots, seeds, predecessors, LUT
 // entries, table and pool values; non-monotonic and overlong offsets; negative and huge counts;
-// ring capacity 1; canary and KV buffers of random bytes; real-KV sources with too few rows or
-// insane geometry), runs one launcher, and compares EVERY output byte with an independent oracle
-// written here from docs/format.md §4-§9 (it shares no code with canary_core.h except the
-// constants). On top of the byte equality it checks the format's per-launch invariants explicitly:
+// ring capacity 1; canary and KV buffers of random bytes; real-KV sources with offsets up to the
+// largest allowed, too few rows or insane geometry), runs one launcher, and compares EVERY output
+// byte with an independent oracle written here from docs/format.md §4-§9 (it shares no code with
+// canary_core.h except the constants). On top of the byte equality it checks the format's
+// per-launch invariants explicitly:
 //   Δkernel_run == 1; verify never changes the canary; Δslot_run == active (verify) or the number of
 //   non-skipped entries (write); verify rows <= 3 x active; the ring is fill-once (rows go to
 //   base + k only while inside the ring, nothing else moves); write_index saturates at 2^31 - 1;
@@ -337,6 +338,7 @@ void check_log(const Log& before, const Log& after, int64_t tag, int64_t dslot, 
 struct Src {
   Heap<uint8_t> data;
   int64_t rows, row_bytes, page_size, bpt, read_bytes;
+  int64_t offset = 0;  // offset_bytes: the strip's start inside the slot
 };
 
 struct Sources {
@@ -348,7 +350,8 @@ struct Sources {
     out.mode = mode;
     out.count = 0;
     for (const Src& s : v)
-      out.src[out.count++] = make_source_view(s.data.data(), s.rows, s.row_bytes, s.page_size, s.bpt, s.read_bytes, mode);
+      out.src[out.count++] =
+          make_source_view(s.data.data(), s.rows, s.row_bytes, s.page_size, s.bpt, s.read_bytes, s.offset, mode);
     if (out.count == 0 || out.mode == 0) out.count = 0, out.mode = 0;
     return out;
   }
@@ -358,7 +361,8 @@ struct Sources {
   int64_t ps(const Src& s) const { return s.page_size >= 1 ? s.page_size : 1; }
   bool sane(const Src& s) const {  // geometry the Python checks guarantee; anything else has no rows
     const int64_t e = eff(s);
-    return s.page_size >= 1 && s.bpt > 0 && e > 0 && e % 16 == 0 && e <= s.bpt && s.row_bytes >= 0 &&
+    return s.page_size >= 1 && s.bpt > 0 && e > 0 && e % 16 == 0 && e <= s.bpt && s.offset >= 0 &&
+           s.offset % 16 == 0 && static_cast<__int128>(s.offset) + e <= s.bpt && s.row_bytes >= 0 &&
            static_cast<__int128>(s.page_size) * s.bpt <= s.row_bytes;
   }
   int64_t rows(const Src& s) const { return sane(s) && s.rows > 0 ? s.rows : 0; }
@@ -369,7 +373,8 @@ struct Sources {
   }
   uint64_t fold(int k, int64_t slot) const {  // consecutive LE words of the strip
     const Src& s = v[k];
-    const uint8_t* p = s.data.data() + (slot / s.page_size) * s.row_bytes + (slot % s.page_size) * s.bpt;
+    const int64_t row = slot / s.page_size, col = (slot % s.page_size) * s.bpt + s.offset;
+    const uint8_t* p = s.data.data() + row * s.row_bytes + col;
     uint64_t acc = 0;
     for (int64_t off = 0; off < eff(s); off += 8) acc = sm64(acc ^ static_cast<uint64_t>(rd64(p + off)));
     return acc;
@@ -393,18 +398,25 @@ Sources random_sources(Rng& g, int64_t S) {
     Src s;
     const int64_t pss[] = {1, 1, 2, 3, 4, 8};
     s.page_size = pss[g.next() % 6];
-    s.bpt = 16 * g.range(1, 3);
+    s.bpt = 16 * g.range(1, 4);
     s.read_bytes = 16 * g.range(1, s.bpt / 16);
+    // offset_bytes as Python allows it (offset + read_bytes <= bpt), often the largest such
+    const int64_t max_offset = s.bpt - s.read_bytes;
+    s.offset = g.pct(40) ? 0 : (g.pct(40) ? max_offset : 16 * g.range(0, max_offset / 16));
     s.row_bytes = s.page_size * s.bpt + 16 * g.range(0, 2);  // with a hole at the end sometimes
     const int64_t need = (S + s.page_size - 1) / s.page_size;
     s.rows = g.pct(60) ? need + g.range(0, 1) : g.range(0, need);  // often too few rows
     if (g.pct(8)) {  // insane geometry (never produced by Python): must read nothing
-      switch (g.next() % 6) {
+      switch (g.next() % 10) {
         case 0: s.page_size = pick(g, -2, 0); break;
         case 1: s.bpt = pick(g, -16, 8); break;
         case 2: s.read_bytes = s.bpt + 16; break;
         case 3: s.read_bytes = pick(g, -16, 15); break;
         case 4: s.row_bytes = s.page_size * s.bpt - 16; break;
+        case 5: s.offset = g.pct(50) ? -16 : 8; break;                              // negative / misaligned
+        case 6: s.offset = s.bpt - (out.mode == 1 ? 16 : s.read_bytes) + 16; break;  // strip past the slot
+        case 7: s.offset = g.pct(50) ? I64MAX - 15 : I64MIN; break;                 // offset + eff overflows
+        case 8: s.offset = s.bpt; break;                                            // strip starts past it
         default: s.page_size = I64MAX / 2; break;  // page_size * bpt overflows int64
       }
       if (s.row_bytes < 0) s.row_bytes = 0;
@@ -869,7 +881,9 @@ void fuzz_cycle(Rng& g) {
   Sources src;
   src.mode = static_cast<int32_t>(g.range(0, 2));
   Src kv;
-  kv.page_size = g.pct(50) ? 1 : 2, kv.bpt = 32, kv.read_bytes = 32, kv.row_bytes = kv.page_size * 32;
+  // a fused slot [K 32 B, V 32 B]; the fingerprint reads K, or V through offset_bytes
+  kv.page_size = g.pct(50) ? 1 : 2, kv.bpt = 64, kv.read_bytes = 32, kv.row_bytes = kv.page_size * 64;
+  kv.offset = g.pct(50) ? 0 : 32;
   kv.rows = (S + kv.page_size - 1) / kv.page_size;
   kv.data = Heap<uint8_t>(kv.rows * kv.row_bytes);
   fill_random(g, kv.data.data(), kv.data.n);

@@ -37,7 +37,7 @@ DTYPES = {"u8": np.uint8, "bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": 
           "i32": np.int32}
 
 # Source spec: (dtype, page_size, num_bytes_per_token, read_bytes, rows: "full"|"few"|"zero"|int,
-#               hole chunks of 16 B per row, ndim)
+#               hole chunks of 16 B per row, ndim[, offset_bytes])
 _SRC = {
     "u8p1": ("u8", 1, 32, 32, "full", 0, 2),
     "u8p1few": ("u8", 1, 32, 32, "few", 0, 2),
@@ -54,6 +54,12 @@ _SRC = {
     "u8p16zero": ("u8", 16, 16, 16, "zero", 0, 2),
     "u8p16few": ("u8", 16, 16, 16, "few", 1, 2),
     "f32p4x3": ("f32", 4, 64, 64, "full", 0, 3),
+    # strips inside the slot (offset_bytes), up to the largest offset allowed (nbpt - read_bytes)
+    "u8p1o32": ("u8", 1, 64, 32, "full", 0, 2, 32),
+    "bf16p4o16hole": ("bf16", 4, 48, 32, "full", 1, 2, 16),
+    "i32p2o48few": ("i32", 2, 64, 16, "few", 0, 2, 48),
+    "f16p4o16r5": ("f16", 4, 32, 16, 5, 0, 3, 16),       # slots 20.. unaddressable
+    "u8p1o16": ("u8", 1, 48, 16, "full", 0, 2, 16),
 }
 
 # ---- configs ------------------------------------------------------------------------------------
@@ -76,6 +82,11 @@ WRITE_CONFIGS = {
                       srcs=("u8p1n16",)),
     "w8_i32_c1": dict(dt="i32", S=16, stride=32, N=24, C=1, cap=8, tag=9, assert_on=False,
                       mode=PARTIAL, srcs=("f32p4x3",)),
+    "w9_i32_offsets_all4": dict(dt="i32", S=32, stride=32, N=20, C=4, cap=16, tag=6, assert_on=False,
+                                mode=ALL, srcs=("u8p1o32", "bf16p4o16hole", "i32p2o48few", "f16p4o16r5")),
+    "w10_mixed_offsets_partial": dict(dt="mixed", S=24, stride=40, N=16, C=4, cap=8, tag=3,
+                                      assert_on=True, mode=PARTIAL,
+                                      srcs=("i32p2o48few", "u8p1o32", "u8p1n16")),
 }
 
 VERIFY_CONFIGS = {
@@ -95,6 +106,10 @@ VERIFY_CONFIGS = {
                       srcs=("f16p4",)),
     "v8_i32_rows": dict(dt="i32", S=40, stride=32, V=24, cap=32, tag=3, check=False, mode=PARTIAL,
                         srcs=("u8p16few", "u8p16zero")),
+    "v9_i32_offsets_all4": dict(dt="i32", S=32, stride=32, V=20, cap=16, tag=9, check=True, mode=ALL,
+                                srcs=("f16p4o16r5", "u8p1o16", "bf16p4o16hole", "i32p2o48few")),
+    "v10_i64_offsets_partial": dict(dt="i64", S=32, stride=32, V=16, cap=8, tag=1, check=False,
+                                    mode=PARTIAL, srcs=("u8p1o32", "i32p2o48few")),
 }
 
 PLAN_CONFIGS = {
@@ -236,7 +251,7 @@ def _rows_for(kind, S: int, page: int) -> int:
 def _make_sources(g: _Gen, names, S: int):
     out = []
     for name in names:
-        dt, page, nbpt, rb, rows_kind, hole, ndim = _SRC[name]
+        dt, page, nbpt, rb, rows_kind, hole, ndim, *offset = _SRC[name]
         rows = _rows_for(rows_kind, S, page)
         row_bytes = page * nbpt + 16 * hole
         raw = g.rng.integers(0, 256, (rows, row_bytes), dtype=np.uint8)
@@ -245,7 +260,7 @@ def _make_sources(g: _Gen, names, S: int):
         arr = raw.view(DTYPES[dt])
         if ndim == 3:
             arr = arr.reshape(rows, 2, -1)
-        out.append(kvc.RealKvSource(arr, page, nbpt, rb))
+        out.append(kvc.RealKvSource(arr, page, nbpt, rb, *offset))
     return tuple(out)
 
 

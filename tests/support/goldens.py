@@ -72,8 +72,8 @@ def do_write(ops, canary, log, offsets, seeds, loc, ids, pos, *, tag=0, nvr=None
                      tag=tag, **kw)
 
 
-def src(np_array, page_size, nbpt, read_bytes):
-    return kvc.RealKvSource(jnp.asarray(np_array), page_size, nbpt, read_bytes)
+def src(np_array, page_size, nbpt, read_bytes, offset_bytes=0):
+    return kvc.RealKvSource(jnp.asarray(np_array), page_size, nbpt, read_bytes, offset_bytes)
 
 
 CHAINS = [

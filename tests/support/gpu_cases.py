@@ -80,12 +80,13 @@ def _log(rng, cap, tag, base="zero"):
 
 
 def _sources(rng, S, kinds):
-    """kinds: list of (dtype, page_size, bytes_per_token, read_bytes, coverage in (0, 1])."""
+    """kinds: list of (dtype, page_size, bytes_per_token, read_bytes, coverage in (0, 1][,
+    offset_bytes])."""
     out = []
-    for dt, page, nbpt, rb, cover in kinds:
+    for dt, page, nbpt, rb, cover, *offset in kinds:
         rows = max(1, int(-(-S // page) * cover))
         raw = rng.integers(0, 256, (rows, page * nbpt), dtype=np.uint8)
-        out.append(kvc.RealKvSource(raw.view(dt), page, nbpt, rb))
+        out.append(kvc.RealKvSource(raw.view(dt), page, nbpt, rb, *offset))
     return tuple(out)
 
 
@@ -180,8 +181,8 @@ def _write(name, seed, scale):
     mode = (NONE, PARTIAL, ALL)[seed % 3] if name != "write_many" else ALL
     kw["real_kv_hash_mode"] = mode
     if mode != NONE:
-        kinds = [(np.uint8, 1, 64, 48, 1.0), (np.float32, 4, 32, 32, 0.9), (ml_bf16(), 2, 16, 16, 1.0),
-                 (np.int32, 8, 48, 16, 0.8)][: 1 + seed % 4]
+        kinds = [(np.uint8, 1, 64, 48, 1.0, 16), (np.float32, 4, 32, 32, 0.9), (ml_bf16(), 2, 16, 16, 1.0),
+                 (np.int32, 8, 48, 16, 0.8, 32)][: 1 + seed % 4]
         kw["real_kv_sources"] = _sources(rng, S, kinds)
     cap = 4 * N + 8
     base = "zero"
@@ -229,7 +230,7 @@ def _verify(name, seed, scale):
     mode = (NONE, PARTIAL, ALL)[seed % 3]
     sources = ()
     if mode != NONE:
-        sources = _sources(rng, S, [(np.uint8, 1, 32, 32, 1.0), (np.float32, 4, 64, 48, 0.95)][: 1 + seed % 2])
+        sources = _sources(rng, S, [(np.uint8, 1, 32, 32, 1.0), (np.float32, 4, 64, 48, 0.95, 16)][: 1 + seed % 2])
     tag = int(rng.integers(0, kvc.NUM_LAUNCH_TAGS))
     check = bool(seed % 2)
     if name == "verify_clean":

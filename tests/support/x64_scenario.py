@@ -20,7 +20,8 @@ def run(impl: str, index_dtype: str) -> str:
     req_to_token = idx(np.arange(4 * 16).reshape(4, 16) + 1)
     pool = idx(rng.integers(0, 1000, (4, 16)))
     kv = jnp.asarray(rng.standard_normal((80, 2, 8)).astype(np.float32)).astype(jnp.bfloat16)
-    sources = (kvc.RealKvSource(kv, 1, 32, 32), kvc.RealKvSource(kv, 1, 32, 16))
+    sources = (kvc.RealKvSource(kv, 1, 32, 32), kvc.RealKvSource(kv, 1, 32, 16),
+               kvc.RealKvSource(kv, 1, 32, 16, offset_bytes=16))
     canary, log = kvc.new_canary_buffer(80, 40), kvc.ViolationLog.create(8)
     out = []
 

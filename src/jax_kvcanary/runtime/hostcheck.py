@@ -135,7 +135,8 @@ def _native_rows(srcs, rec, s, entries, mode, tag, impl):
     seen = np.zeros(num_slots, bool)
     seen[s[entries]] = True
     ranks = np.zeros(entries.size, np.int64) if np.count_nonzero(seen) == entries.size else _ranks(s[entries])
-    fn = _verify_fn(tag, mode, impl, tuple((x.page_size, x.num_bytes_per_token, x.read_bytes) for x in srcs))
+    fn = _verify_fn(tag, mode, impl, tuple((x.page_size, x.num_bytes_per_token, x.read_bytes, x.offset_bytes)
+                                           for x in srcs))
     out_e, out_r = [], []
     for rank in range(int(ranks.max()) + 1):
         g = entries[ranks == rank]
@@ -166,8 +167,9 @@ def check_host_copy(sources, records, slots, *, real_kv_hash_mode, tag, report_s
     Args:
       sources: a ``RealKvSource`` or a tuple of up to 4 over the *host* KV (numpy arrays, or jax
         arrays on the CPU device; any dtype of >= 8 bits, paged like the device arrays: slot ``s``
-        is at row ``s // page_size``). The same sources, in the same order and geometry, as the
-        device's TAIL fingerprint (e.g. the host copy of layer 0's K for the K records).
+        is at row ``s // page_size``). The same sources, in the same order and geometry
+        (``offset_bytes`` included), as the device's TAIL fingerprint (e.g. the host copy of layer
+        0's K for the K records).
       records: ``uint8[n, 32]`` exported with the KV (the TAIL canary's records: HEAD records hold
         no fingerprint).
       slots: int32/int64 ``[n]``, the host slot each record's KV was copied to; negative = padding

@@ -48,22 +48,23 @@ class TransferPack:
         (``'FULL/k/0'``).
       records: ``{canary name: uint8[n_g, 32]}`` (``'HEAD_K_FULL'``, ``'TAIL_V_SWA'``, ...).
       fingerprints: ``{TAIL canary name: ((kv name, read_bytes), ...)}``: the real-KV sources of
-        that canary's fingerprint, in source order.
+        that canary's fingerprint, in source order; a source whose strip starts inside the entry is
+        ``(kv name, read_bytes, offset_bytes)``.
       real_kv_hash_mode: the device's ``RealKvHashMode``.
     """
 
     slots: Mapping[str, np.ndarray]
     kv: Mapping[str, np.ndarray]
     records: Mapping[str, np.ndarray]
-    fingerprints: Mapping[str, Tuple[Tuple[str, int], ...]]
+    fingerprints: Mapping[str, Tuple[tuple, ...]]
     real_kv_hash_mode: RealKvHashMode
 
     def sources(self) -> dict:
         """``{TAIL canary name: tuple of RealKvSource}`` over the received KV: entry ``i`` is slot ``i``
-        (``page_size`` 1, one entry's bytes per row)."""
+        (``page_size`` 1, one entry's bytes per row, the strip ``offset_bytes`` into it)."""
         out = {}
         for name, srcs in self.fingerprints.items():
-            out[name] = tuple(RealKvSource(self.kv[k], 1, _row_bytes(self.kv[k]), rb) for k, rb in srcs)
+            out[name] = tuple(RealKvSource(self.kv[k], 1, _row_bytes(self.kv[k]), rb, *off) for k, rb, *off in srcs)
         return out
 
     def check(self, impl: Optional[str] = None) -> HostCheckResult:
@@ -79,6 +80,16 @@ class TransferPack:
 
 def _row_bytes(a) -> int:
     return int(a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64)))
+
+
+def _fingerprint(entry) -> tuple:
+    """One fingerprint source: ``(kv name, read_bytes)``, or ``(kv name, read_bytes, offset_bytes)``
+    for a non-zero offset (an offset of 0 is dropped, so such entries read as before)."""
+    name, read_bytes, *offset = entry
+    if len(offset) > 1:
+        raise ValueError(f"a fingerprint source has at most 3 fields, got {list(entry)!r}")
+    offset = int(offset[0]) if offset else 0
+    return (str(name), int(read_bytes)) + ((offset,) if offset else ())
 
 
 def _group(name: str, kind: str) -> str:
@@ -98,9 +109,10 @@ def pack_transfer(slots: Mapping[str, object], kv: Mapping[str, object], records
       kv: ``{'GROUP/...': array[n_g, ...]}``: the KV of each entry (any dtype of >= 8 bits; row
         ``i`` = the bytes of entry ``i``, e.g. one layer's K of one slot).
       records: ``{canary name: uint8[n_g, 32]}``, exported with the same slot list.
-      fingerprints: ``{'TAIL_<half>_<group>': ((kv name, read_bytes), ...)}``: which KV arrays are
-        the fingerprint sources of that canary on the device, in the device's source order, and
-        their ``read_bytes``; the first ``read_bytes`` of an entry are that slot's strip.
+      fingerprints: ``{'TAIL_<half>_<group>': ((kv name, read_bytes[, offset_bytes]), ...)}``: which
+        KV arrays are the fingerprint sources of that canary on the device, in the device's source
+        order, with their ``read_bytes`` and ``offset_bytes`` (default 0); the ``read_bytes`` from
+        byte ``offset_bytes`` of an entry are that slot's strip (e.g. V head 0 of a fused K/V row).
       real_kv_hash_mode: the device's mode (PARTIAL or ALL for a check on arrival).
 
     Returns:
@@ -128,9 +140,10 @@ def pack_transfer(slots: Mapping[str, object], kv: Mapping[str, object], records
                 raise TransferError(f"kv-canary: transfer records {name!r} must be uint8[n, 32], got "
                                     f"{a.dtype.name}{list(a.shape)}")
             arrays.append((f"{kind}/{name}", a))
-    fp = {name: [[k, int(rb)] for k, rb in srcs] for name, srcs in dict(fingerprints).items()}
+    # a source without an offset is written as before, [name, read_bytes]: such packs are unchanged
+    fp = {name: [list(_fingerprint(e)) for e in srcs] for name, srcs in dict(fingerprints).items()}
     for name, srcs in fp.items():
-        for k, _ in srcs:
+        for k, *_ in srcs:
             if k not in kv:
                 raise TransferError(f"kv-canary: fingerprint of {name!r} names KV {k!r}, which is not "
                                     "in the pack")
@@ -206,7 +219,7 @@ def unpack_transfer(data, *, check: bool = True, impl: Optional[str] = None
                 raise TransferError(f"kv-canary: transfer pack array {e['name']!r} ({dtype.name}{list(shape)} "
                                     f"at bytes [{lo}, {hi})) does not fit the {n}-byte pack")
             tables[kind][name] = np.frombuffer(buf[lo:hi], dtype).reshape(shape)
-        fingerprints = {str(k): tuple((str(a), int(rb)) for a, rb in v) for k, v in head["fingerprints"].items()}
+        fingerprints = {str(k): tuple(map(_fingerprint, v)) for k, v in head["fingerprints"].items()}
     except (KeyError, TypeError, ValueError) as err:
         if isinstance(err, TransferError):
             raise
@@ -219,7 +232,7 @@ def unpack_transfer(data, *, check: bool = True, impl: Optional[str] = None
                 raise TransferError(f"kv-canary: transfer {kind} {name!r} has shape {a.shape}, but group "
                                     f"{g} has {slots[g].shape[0] if g in slots else 0} slots")
     for name, srcs in fingerprints.items():
-        if name not in tables["records"] or any(k not in tables["kv"] for k, _ in srcs):
+        if name not in tables["records"] or any(k not in tables["kv"] for k, *_ in srcs):
             raise TransferError(f"kv-canary: fingerprint of {name!r} names an array that is not in the pack")
     pack = TransferPack(slots, tables["kv"], tables["records"], fingerprints, mode)
     return pack, (pack.check(impl) if check else HostCheckResult(
