@@ -86,20 +86,19 @@ def fused_geometry(kv0) -> FusedGeometry:
 
 def real_kv_sources(kv0, mode: RealKvHashMode) -> dict:
     """``{'K': source, 'V': source}`` over layer 0's fused buffer ``kv0`` (3-D or 5-D, see
-    ``fused_geometry``).
+    ``fused_geometry``), both addressing the buffer itself (no copy).
 
-    PARTIAL: K folds the first 16 bytes of each token row (K head 0) from the buffer itself, V the
-    first 16 bytes of V head 0 (a 16-byte-per-slot slice). ALL: both halves fold the whole token
-    row (every K and V head of the slot) from the buffer itself, so no step copies a layer's worth
-    of KV to split the interleaved heads. No source copies the buffer."""
+    PARTIAL: K folds the first 16 bytes of each token row (K head 0), V the first 16 bytes of V
+    head 0 (``offset_bytes``: one head into the row). ALL: both halves fold the whole token row
+    (every K and V head of the slot), so no step copies a layer's worth of KV to split the
+    interleaved heads."""
     geo = fused_geometry(kv0)
     tb = geo.token_bytes
     whole = RealKvSource(kv0, geo.page_size, tb, tb)
     if mode == RealKvHashMode.ALL:
         return {"K": whole, "V": whole}
-    rows = kv0.reshape(geo.rows, geo.page_size, geo.token_elems)
-    v0 = rows[:, :, geo.head_elems: geo.head_elems + 16 // geo.itemsize]
-    return {"K": whole, "V": RealKvSource(v0, geo.page_size, 16, 16)}
+    v0 = RealKvSource(kv0, geo.page_size, tb, 16, offset_bytes=geo.head_elems * geo.itemsize)
+    return {"K": whole, "V": v0}
 
 
 def segment_starts(seq_lens, page_size: int, aligned: bool):
