@@ -5,6 +5,7 @@ export/import, the host check, transfer packs) (docs/design.md ยง11, format.md ย
 from .config import CanaryConfig, launch_tag
 from .endpoints import (CanaryBatch, CanaryEndpoints, CanaryState, GroupPlan,
                         set_chain_position_assert, translate_slots)
+from .episodes import Episode, EpisodeLog
 from .errors import CanaryHealthError, CanaryViolationError
 from .health import HealthCheck
 from .hostcheck import HostCheckResult, aligned_host_array, check_host_copy, check_records, host_tag
@@ -20,6 +21,7 @@ from . import perturb, multidevice
 __all__ = [
     "CanaryConfig", "launch_tag", "CanaryBatch", "CanaryEndpoints", "CanaryState", "GroupPlan",
     "set_chain_position_assert", "translate_slots", "CanaryHealthError", "CanaryViolationError",
+    "Episode", "EpisodeLog",
     "HealthCheck", "Monitor", "Violation", "counter_snapshot", "REPORT_LINE_RE", "ReportHeader",
     "format_first_line", "format_report", "parse_first_line", "CounterSnapshot", "format_stats_line", "bucket_capacity",
     "build_group_sweep_plans", "build_sweep_plan", "translate_chains", "perturb", "multidevice",

@@ -29,6 +29,7 @@ from .. import consts
 from ..state import ViolationLog
 from .config import CanaryConfig
 from .endpoints import CanaryState
+from .episodes import EpisodeLog
 from .errors import CanaryViolationError
 from .health import HealthCheck
 from ..consts import reason_labels, tag_name
@@ -119,6 +120,9 @@ class Monitor:
       stats_interval: steps between INFO stats lines (0 = off).
       stats_tags: the tags a stats line lists (default ``expected_tags``).
       logger: where reports go (default ``logging.getLogger('jax_kvcanary')``).
+      episodes: an ``EpisodeLog``: log one report per episode (a fault's rows, counted) instead
+        of one per row, and in mode ``'raise'`` raise with the first row's report and a count of
+        the others. ``monitor.violations`` keeps every row either way.
 
     Raises:
       ValueError: an unknown ``mode``.
@@ -128,7 +132,8 @@ class Monitor:
     """
 
     def __init__(self, mode: str = "log", *, health_interval: int = 0, expected_tags=(),
-                 stats_interval: int = 0, stats_tags=None, logger: Optional[logging.Logger] = None):
+                 stats_interval: int = 0, stats_tags=None, logger: Optional[logging.Logger] = None,
+                 episodes: Optional[EpisodeLog] = None):
         if mode not in ("log", "raise", "none"):
             raise ValueError(f"kv-canary: Monitor mode must be 'log', 'raise' or 'none', got {mode!r}")
         self.mode = mode
@@ -145,6 +150,7 @@ class Monitor:
         self._state = None          # last state passed in (its ring is read on a counter move)
         self._watermark = None      # int64[D]
         self.host_total = 0         # rows given to report_rows
+        self.episodes = episodes
 
     @classmethod
     def from_config(cls, config: CanaryConfig, **kw) -> "Monitor":
@@ -185,6 +191,9 @@ class Monitor:
         new: List[Violation] = []
         while len(self._pending) > 1 and (wait or _is_ready(self._pending[0][0])):
             new += self._decode(*self._pending.popleft())
+        if self.episodes is not None:
+            for line in self.episodes.end_quiet(self.steps):
+                self.logger.warning(line)
         return new
 
     def flush(self) -> List[Violation]:
@@ -193,6 +202,9 @@ class Monitor:
         while self.mode != "none" and not self.stopped and self._pending:
             snap, step = self._pending.popleft()
             new += self._decode(snap, step, full=not self._pending)
+        if self.episodes is not None:
+            for line in self.episodes.close():
+                self.logger.warning(line)
         return new
 
     # -- internals ----------------------------------------------------------------------------------
@@ -253,7 +265,17 @@ class Monitor:
         self.violations.extend(new)
         if new and self.mode == "raise":
             self.stopped = True
-            raise CanaryViolationError("\n".join(v.report for v in new), new)
+            if self.episodes is None:
+                raise CanaryViolationError("\n".join(v.report for v in new), new)
+            more = collections.Counter(f"{v.tag_name} {'+'.join(v.reasons)}" for v in new[1:])
+            text = new[0].report + ("" if not more else "\n  and {} more row(s) in this step: {}"
+                                    .format(len(new) - 1, ", ".join(f"{k} x{n}"
+                                                                    for k, n in more.items())))
+            raise CanaryViolationError(text, new)
+        if self.episodes is not None:
+            for line in self.episodes.add(new, self.steps):
+                self.logger.warning(line)
+            return new
         for v in new:
             self.logger.warning(v.report)
         return new

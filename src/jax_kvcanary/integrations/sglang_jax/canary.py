@@ -39,7 +39,9 @@ every capacity bucket, then starts from a fresh state: no compile is left for th
 from __future__ import annotations
 
 import collections
+import functools
 import logging
+import queue
 import threading
 import time
 from typing import Callable, Optional
@@ -49,6 +51,7 @@ import numpy as np
 
 from ...runtime.config import CanaryConfig
 from ...runtime.endpoints import CanaryEndpoints
+from ...runtime.episodes import EpisodeLog
 from ...runtime.monitor import Monitor, counter_snapshot
 from ...runtime.sweep import DEFAULT_MIN_CAPACITY, bucket_capacity, build_group_sweep_plans
 from .layout import page_table_batch, real_kv_sources, runner_layout, step_arrays
@@ -79,9 +82,53 @@ def radix_chains(tree_cache) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros((0, 3), np.int64)
 
 
+class LaunchThread:
+    """One daemon thread that runs the canary's launches in the order they are submitted.
+
+    XLA's CPU runtime runs a program with custom calls in the thread that dispatches it, so a
+    canary launch dispatched by the engine's forward thread would hold that thread for the
+    launch's whole work. Here the forward thread only submits it; ``wait`` (called before the
+    next model call, which donates the KV buffers the launch reads) returns once every submitted
+    launch has run, and re-raises the first exception one of them raised (a
+    ``CanaryViolationError`` in mode ``raise``), in the waiting thread."""
+
+    def __init__(self, name: str = "kv-canary-launches"):
+        self._jobs = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._error: Optional[BaseException] = None
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._cond:
+            self._pending += 1
+        self._jobs.put(job)
+
+    def wait(self) -> None:
+        """Block until every submitted launch has run; raise the first error one raised."""
+        with self._cond:
+            while self._pending:
+                self._cond.wait()
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                job()
+            except BaseException as e:  # handed to the next wait(), in the engine's thread
+                with self._cond:
+                    self._error = self._error or e
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
+
+
 class HostTime:
-    """Seconds of host work the canary adds to each step (its launches' dispatch, the sweep's
-    collection and dispatch, the monitor's readback), the last ``window`` steps kept."""
+    """Seconds per step of some canary work, the last ``window`` steps kept."""
 
     def __init__(self, window: int = 1024):
         self.recent = collections.deque(maxlen=window)
@@ -110,6 +157,7 @@ class SglangJaxCanary:
       config: the ``CanaryConfig``; mode ``'none'`` is refused (install nothing instead).
       tree_cache: the scheduler's ``RadixCache``; needed when ``config.sweep_interval > 0``.
       logger: where reports go (default ``logging.getLogger('jax_kvcanary')``).
+      episodes: report one episode per fault (``runtime.EpisodeLog``) instead of every row.
 
     Attributes: ``config``, ``state`` (the ``CanaryState``, donated by every step), ``monitor``
     (``Monitor``: ``monitor.violations`` holds what was reported), ``steps``, ``sweeps``,
@@ -120,7 +168,7 @@ class SglangJaxCanary:
     """
 
     def __init__(self, runner, config: CanaryConfig, *, tree_cache=None,
-                 logger: Optional[logging.Logger] = None):
+                 logger: Optional[logging.Logger] = None, episodes: bool = False):
         if not isinstance(config, CanaryConfig):
             raise TypeError(f"kv-canary: config must be a CanaryConfig, got {type(config).__name__}")
         if not config.enabled:
@@ -142,6 +190,7 @@ class SglangJaxCanary:
         self.config = config
         self.tree_cache = tree_cache
         self.logger = logger or LOGGER
+        self.episodes = bool(episodes)
         self.num_slots = self.layout.geometry.num_slots
         self._original = None                        # taken by install()
         self._check_fn = self._build_check()
@@ -154,7 +203,9 @@ class SglangJaxCanary:
         self.launches = 0                            # batches the scheduler hook has seen
         self.steps = self.sweeps = 0
         self.warming = False                         # inside precompile: nothing is reported
-        self.host_time = HostTime()                  # the wrapper's own work per step
+        self.host_time = HostTime()                  # the engine thread's canary work per step
+        self.launch_time = HostTime()                # each launch + readback, on the launch thread
+        self.launches_thread = LaunchThread()
         self.state = None
         self.monitor = None
         self.reset()
@@ -172,13 +223,20 @@ class SglangJaxCanary:
 
     def reset(self) -> None:
         """Fresh canary state (zero records, empty ring) and a fresh monitor; e.g. after
-        sglang-jax's warm-up, whose synthetic batches would otherwise leave records behind."""
+        sglang-jax's warm-up, whose synthetic batches would otherwise leave records behind.
+        Waits for the launches already submitted (and drops what they report)."""
+        if getattr(self, "launches_thread", None) is not None:
+            try:
+                self.launches_thread.wait()
+            except Exception:  # the state they ran on is being dropped
+                pass
         # placed as the launches' outputs are (replicated over the runner's mesh, the sharding
         # they declare), so that every step of a bucket runs the program compiled for it
         self.state = jax.device_put(self._endpoints(1, 1).init_state(), self._replicated())
-        self.monitor = Monitor.from_config(self.config, logger=self.logger)
+        self.monitor = Monitor.from_config(self.config, logger=self.logger,
+                                           episodes=EpisodeLog() if self.episodes else None)
         self.steps = self.sweeps = self.launches = 0
-        self.host_time = HostTime()
+        self.host_time, self.launch_time = HostTime(), HostTime()
         with self._sweep_lock:
             self._pending_sweep = None
 
@@ -214,6 +272,7 @@ class SglangJaxCanary:
         try:
             if engine_precompile is not None:
                 engine_precompile()
+            self.launches_thread.wait()                # its steps' launches own the state
             if self.config.sweep_interval:
                 cap = bucket_capacity(self.num_slots)
                 for c in (1 << k for k in range(DEFAULT_MIN_CAPACITY.bit_length() - 1,
@@ -288,49 +347,62 @@ class SglangJaxCanary:
     def sweep_now(self) -> int:
         """Collect and run a sweep at once on the engine's current layer-0 KV (between steps, in
         the scheduler's thread without the overlap schedule); returns the slots swept."""
+        self.launches_thread.wait()                    # the launches own the state
         n = self.request_sweep()
         self._run_pending_sweep(self.layout.kv0())
         return n
 
     # -- per step -------------------------------------------------------------------------------
     def _run_model(self, forward_batch, logits_metadata):
+        t0 = time.perf_counter()
+        # the previous step's launch has read layer 0's KV before this call donates it; what it
+        # raised (mode 'raise', a failed health check) is raised here, before the model runs
+        self.launches_thread.wait()
         self.steps += 1
         if not self.warming:
             for hook in self.step_hooks:               # fault injection (not canary work)
                 hook(forward_batch)
-        outputs = self._original(forward_batch, logits_metadata)
-        t0 = time.perf_counter()
-        kv0 = self.layout.layers(outputs)[0]            # layer 0's KV as the forward left it
         si = self.config.sweep_interval
         if self.sweeps_from_wrapper and si and self.steps % si == 0 and not self.warming:
-            self.request_sweep()
-        self._run_pending_sweep(kv0)
-        self.state, snapshot = self._check_fn(
-            self.state, step_arrays(forward_batch), kv0,
-            decode=bool(forward_batch.forward_mode.is_decode()))
-        if self.warming:
-            return outputs
-        try:
-            self.monitor.step(self.state, snapshot=snapshot, wait=False)
-        except BaseException:
-            # mode 'raise' (or a health failure): the step has donated the KV pool already, so
-            # hand the engine its new buffers before raising, as its own forward would have
-            self.layout.store_kv(outputs, forward_batch)
-            raise
-        self.host_time.add(time.perf_counter() - t0)
-        si = self.config.stats_interval
-        if si and self.steps % si == 0:
-            self.logger.info("kv-canary: host work per step over the last %d steps: %s",
-                             len(self.host_time.recent), self.host_time.summary())
+            self.request_sweep()                       # the caller's thread: its radix tree
+        t1 = time.perf_counter()
+        outputs = self._original(forward_batch, logits_metadata)
+        t2 = time.perf_counter()
+        self.launches_thread.submit(functools.partial(
+            self._launch, step_arrays(forward_batch), self.layout.layers(outputs)[0],
+            bool(forward_batch.forward_mode.is_decode()), self.steps))
+        self.host_time.add(time.perf_counter() - t2 + t1 - t0)
         return outputs
 
+    def _launch(self, arrays, kv0, decode: bool, step: int) -> None:
+        """One step's canary work, on the launch thread: the due sweep, the check of what the step
+        read and wrote (``kv0``: layer 0's KV as its forward left it), the monitor's readback."""
+        t0 = time.perf_counter()
+        self._run_pending_sweep(kv0)
+        self.state, snapshot = self._check_fn(self.state, arrays, kv0, decode=decode)
+        if self.warming:
+            return
+        try:
+            self.monitor.step(self.state, snapshot=snapshot, wait=False)
+        finally:
+            self.launch_time.add(time.perf_counter() - t0)
+        si = self.config.stats_interval
+        if si and step % si == 0:
+            self.logger.info("kv-canary: canary time per step over the last %d steps: in the "
+                             "engine's thread %s; launches and readback (a thread of their own) %s",
+                             len(self.host_time.recent), self.host_time.summary(),
+                             self.launch_time.summary())
+
     def flush(self):
-        """Report what the last step's readback holds (blocks on it); returns new violations."""
+        """Run the submitted launches, then report what the last step's readback holds (blocks on
+        it); returns the new violations."""
+        self.launches_thread.wait()
         return self.monitor.flush()
 
 
 def install(model_runner, config: CanaryConfig, *, tree_cache=None,
-            logger: Optional[logging.Logger] = None) -> Optional[SglangJaxCanary]:
+            logger: Optional[logging.Logger] = None, episodes: bool = False
+            ) -> Optional[SglangJaxCanary]:
     """Install the canary into a running sglang-jax ``ModelRunner`` (see the module docstring).
 
     Args:
@@ -338,6 +410,8 @@ def install(model_runner, config: CanaryConfig, *, tree_cache=None,
       config: the ``CanaryConfig`` (e.g. ``config_from_args``); mode ``'none'`` installs nothing.
       tree_cache: the scheduler's ``RadixCache``; needed when ``config.sweep_interval > 0``.
       logger: where reports go (default ``logging.getLogger('jax_kvcanary')``).
+      episodes: log one report per episode (a fault's rows, counted: ``runtime.EpisodeLog``)
+        instead of one per row.
 
     Returns:
       The installed ``SglangJaxCanary`` (``uninstall()`` restores the runner), or None for mode
@@ -350,7 +424,8 @@ def install(model_runner, config: CanaryConfig, *, tree_cache=None,
         raise TypeError(f"kv-canary: config must be a CanaryConfig, got {type(config).__name__}")
     if not config.enabled:
         return None
-    return SglangJaxCanary(model_runner, config, tree_cache=tree_cache, logger=logger).install()
+    return SglangJaxCanary(model_runner, config, tree_cache=tree_cache, logger=logger,
+                           episodes=episodes).install()
 
 
 def install_into_scheduler(scheduler, config: CanaryConfig, **kw) -> Optional[SglangJaxCanary]:

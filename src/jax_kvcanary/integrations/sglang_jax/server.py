@@ -120,7 +120,7 @@ def attach(scheduler, config: CanaryConfig, inject: Optional[InjectSpec], precom
     canary) rather than raised: the settings it cannot cover were refused before start."""
     logger = logger or LOGGER
     try:
-        canary = install_into_scheduler(scheduler, config, logger=logger)
+        canary = install_into_scheduler(scheduler, config, logger=logger, episodes=True)
         if inject is not None:
             injector = FaultInjector(inject, canary, scheduler, logger=logger)
             canary.launch_hooks.append(injector.before_launch)
