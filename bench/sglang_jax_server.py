@@ -38,9 +38,8 @@ from tests.support.sglang_server import Server
 from tests.support.tiny_qwen2 import VOCAB_SIZE, write_tiny_qwen2
 
 DECODE_RE = re.compile(r"Decode batch\. #running-req: (\d+),.*?gen throughput \(token/s\): ([\d.]+)")
-HOST_RE = re.compile(r"kv-canary: canary time per step over the last (\d+) steps: in the engine's "
-                     r"thread median ([\d.]+) us, p90 ([\d.]+) us, mean ([\d.]+) us; launches and "
-                     r"readback \(a thread of their own\) median ([\d.]+) us")
+HOST_RE = re.compile(r"kv-canary: canary time per step over the last (\d+) steps: median ([\d.]+) us, "
+                     r"p90 ([\d.]+) us, mean ([\d.]+) us")
 TARGET_RATIO = 0.95
 TARGET_HOST_US = 100.0
 
@@ -117,13 +116,12 @@ def one_run(mode: str, model: str, context: int, args, workdir: str, round_no: i
            "decode_step_samples": len(steps),
            "violations": text.count("kv_canary violation"), "log": log}
     if host:
-        n, med, p90, mean, launch = host[-1]
+        n, med, p90, mean = host[-1]
         rec.update(host_steps=int(n), host_median_us=float(med), host_p90_us=float(p90),
-                   host_mean_us=float(mean), launch_median_us=float(launch))
+                   host_mean_us=float(mean))
     print(f"  ctx {context} round {round_no} {mode:4s}: {rec['tokens_per_s']:.1f} tok/s, decode step "
           f"{rec['decode_step_ms'] or float('nan'):.2f} ms, first request {first * 1e3:.0f} ms"
-          + (f", canary in the engine's thread {rec['host_median_us']:.1f} us, launch + readback "
-             f"{rec['launch_median_us']:.1f} us (medians)" if host else ""),
+          + (f", canary time per step median {rec['host_median_us']:.1f} us" if host else ""),
           flush=True)
     return rec
 
@@ -140,7 +138,6 @@ def summarize(runs: list, args) -> list:
         ratio = med([p["log"]["tokens_per_s"] / p["none"]["tokens_per_s"] for p in pairs])
         first = med([p["log"]["first_request_s"] / p["none"]["first_request_s"] for p in pairs])
         host = med([p["log"]["host_median_us"] for p in pairs if "host_median_us" in p["log"]])
-        launch = med([p["log"]["launch_median_us"] for p in pairs if "launch_median_us" in p["log"]])
         rows.append({
             "context": context, "rounds": len(pairs),
             "tok_s_off": med([p["none"]["tokens_per_s"] for p in pairs]),
@@ -150,7 +147,7 @@ def summarize(runs: list, args) -> list:
                                 if p["none"]["decode_step_ms"]]),
             "step_ms_on": med([p["log"]["decode_step_ms"] for p in pairs
                                if p["log"]["decode_step_ms"]]),
-            "host_us": host, "launch_us": launch, "first_ratio": first,
+            "host_us": host, "first_ratio": first,
             "first_ms_off": med([1e3 * p["none"]["first_request_s"] for p in pairs]),
             "first_ms_on": med([1e3 * p["log"]["first_request_s"] for p in pairs]),
             "violations": sum(p["log"]["violations"] for p in pairs),
@@ -168,20 +165,19 @@ def markdown(rows: list, meta: dict) -> str:
            f"{meta['max_new_tokens']} new tokens each, overlap scheduler, page size 1, real-KV "
            "partial; medians over the rounds, ratio = median of per-round on/off.", "",
            "| prompt tokens | rounds | tok/s off | tok/s on | on/off | decode step off (ms) | "
-           "decode step on (ms) | canary in the engine's thread / step (us) | canary launch + "
-           "readback / step (us, own thread) | first request off / on (ms) | violations |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "decode step on (ms) | canary time / step (us) | first request off / on (ms) | "
+           "violations |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     f = lambda x, d=2: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     for r in rows:
         out.append(f"| {r['context']} | {r['rounds']} | {f(r['tok_s_off'], 1)} | "
                    f"{f(r['tok_s_on'], 1)} | {f(r['ratio'], 3)} | {f(r['step_ms_off'])} | "
-                   f"{f(r['step_ms_on'])} | {f(r['host_us'], 1)} | {f(r['launch_us'], 1)} | "
-                   f"{f(r['first_ms_off'], 0)} / "
+                   f"{f(r['step_ms_on'])} | {f(r['host_us'], 1)} | {f(r['first_ms_off'], 0)} / "
                    f"{f(r['first_ms_on'], 0)} | {r['violations']} |")
     out += ["", f"Targets: throughput on/off >= {TARGET_RATIO} "
             + ", ".join(f"(prompt {r['context']}: {'PASS' if r['ratio_ok'] else 'FAIL'})"
                         for r in rows)
-            + f"; canary host work in the engine's thread <= {TARGET_HOST_US:.0f} us per step "
+            + f"; canary host work <= {TARGET_HOST_US:.0f} us per step "
             + ", ".join(f"(prompt {r['context']}: {'PASS' if r['host_ok'] else 'FAIL'})"
                         for r in rows) + "."]
     return "\n".join(out) + "\n"

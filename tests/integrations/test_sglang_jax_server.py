@@ -164,6 +164,24 @@ def test_injected_fault_is_reported_within_two_steps(model_dir, tmp_path, kind):
     assert hits[0][2] <= step + 2, (step, hits[0])
 
 
+def test_a_violation_of_the_last_step_before_idle_is_reported_within_a_second(model_dir,
+                                                                            tmp_path):
+    """The readback lags one step; when the server goes idle after the step that found a
+    violation, the report must not wait for the next request."""
+    import time
+
+    with server(model_dir, tmp_path, "--kv-canary", "log", "--kv-canary-inject", "wrong_position",
+                "--kv-canary-inject-step", "5") as srv:
+        srv.generate(PROMPTS[3], 4)                   # steps 1-4: prefill + 3 decodes
+        srv.generate(PROMPTS[0], 1)                   # step 5: a prefill, the last step
+        done = time.monotonic()
+        assert srv.injected() == ("wrong_position", 5), srv.log_tail()
+        while not srv.reports() and time.monotonic() - done < 1.0:
+            time.sleep(0.05)
+        assert srv.reports(), f"no report within 1 s of idling:\n{srv.log_tail()}"
+        assert any("write_position" in why for _, why, _, _ in srv.reports())
+
+
 def test_raise_mode_ends_the_server_with_the_report(model_dir, tmp_path):
     srv = server(model_dir, tmp_path, "--kv-canary", "raise", "--kv-canary-inject", "real_kv_used",
                  "--kv-canary-inject-step", "3").start()

@@ -196,6 +196,11 @@ class Monitor:
                 self.logger.warning(line)
         return new
 
+    @property
+    def pending(self) -> int:
+        """Readbacks started and not decoded yet."""
+        return len(self._pending)
+
     def flush(self) -> List[Violation]:
         """Decode every pending readback now (at the end of serving). Blocks on the last step."""
         new: List[Violation] = []

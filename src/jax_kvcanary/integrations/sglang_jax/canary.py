@@ -39,9 +39,7 @@ every capacity bucket, then starts from a fresh state: no compile is left for th
 from __future__ import annotations
 
 import collections
-import functools
 import logging
-import queue
 import threading
 import time
 from typing import Callable, Optional
@@ -82,49 +80,40 @@ def radix_chains(tree_cache) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros((0, 3), np.int64)
 
 
-class LaunchThread:
-    """One daemon thread that runs the canary's launches in the order they are submitted.
+class IdleReporter:
+    """A daemon thread that calls ``report`` once the serving steps have stopped for ``idle_s``
+    seconds (``touch`` marks a step), so that what the last steps found is reported while the
+    server is idle instead of with the next request's steps. An exception ``report`` raises (a
+    ``CanaryViolationError`` in mode ``raise``) goes to ``on_error``, else it is logged."""
 
-    XLA's CPU runtime runs a program with custom calls in the thread that dispatches it, so a
-    canary launch dispatched by the engine's forward thread would hold that thread for the
-    launch's whole work. Here the forward thread only submits it; ``wait`` (called before the
-    next model call, which donates the KV buffers the launch reads) returns once every submitted
-    launch has run, and re-raises the first exception one of them raised (a
-    ``CanaryViolationError`` in mode ``raise``), in the waiting thread."""
+    def __init__(self, report: Callable[[], None], *, idle_s: float = 0.25,
+                 on_error: Optional[Callable[[BaseException], None]] = None,
+                 logger: Optional[logging.Logger] = None):
+        self.report = report
+        self.idle_s = float(idle_s)
+        self.on_error = on_error
+        self.logger = logger or LOGGER
+        self._last = time.monotonic()
+        self._reported = True
+        threading.Thread(target=self._loop, name="kv-canary-idle", daemon=True).start()
 
-    def __init__(self, name: str = "kv-canary-launches"):
-        self._jobs = queue.SimpleQueue()
-        self._cond = threading.Condition()
-        self._pending = 0
-        self._error: Optional[BaseException] = None
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._cond:
-            self._pending += 1
-        self._jobs.put(job)
-
-    def wait(self) -> None:
-        """Block until every submitted launch has run; raise the first error one raised."""
-        with self._cond:
-            while self._pending:
-                self._cond.wait()
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
+    def touch(self) -> None:
+        self._last = time.monotonic()
+        self._reported = False
 
     def _loop(self) -> None:
         while True:
-            job = self._jobs.get()
+            time.sleep(self.idle_s / 2)
+            if self._reported or time.monotonic() - self._last < self.idle_s:
+                continue
+            self._reported = True
             try:
-                job()
-            except BaseException as e:  # handed to the next wait(), in the engine's thread
-                with self._cond:
-                    self._error = self._error or e
-            finally:
-                with self._cond:
-                    self._pending -= 1
-                    self._cond.notify_all()
+                self.report()
+            except BaseException as e:
+                if self.on_error is not None:
+                    self.on_error(e)
+                else:
+                    self.logger.error("kv-canary: %s", e)
 
 
 class HostTime:
@@ -203,9 +192,9 @@ class SglangJaxCanary:
         self.launches = 0                            # batches the scheduler hook has seen
         self.steps = self.sweeps = 0
         self.warming = False                         # inside precompile: nothing is reported
-        self.host_time = HostTime()                  # the engine thread's canary work per step
-        self.launch_time = HostTime()                # each launch + readback, on the launch thread
-        self.launches_thread = LaunchThread()
+        self.host_time = HostTime()                  # the canary's own time in each step
+        self._monitor_lock = threading.Lock()          # the steps and the idle reporter
+        self.idle = IdleReporter(self._on_idle, logger=self.logger)
         self.state = None
         self.monitor = None
         self.reset()
@@ -224,19 +213,14 @@ class SglangJaxCanary:
     def reset(self) -> None:
         """Fresh canary state (zero records, empty ring) and a fresh monitor; e.g. after
         sglang-jax's warm-up, whose synthetic batches would otherwise leave records behind.
-        Waits for the launches already submitted (and drops what they report)."""
-        if getattr(self, "launches_thread", None) is not None:
-            try:
-                self.launches_thread.wait()
-            except Exception:  # the state they ran on is being dropped
-                pass
+        """
         # placed as the launches' outputs are (replicated over the runner's mesh, the sharding
         # they declare), so that every step of a bucket runs the program compiled for it
         self.state = jax.device_put(self._endpoints(1, 1).init_state(), self._replicated())
         self.monitor = Monitor.from_config(self.config, logger=self.logger,
                                            episodes=EpisodeLog() if self.episodes else None)
         self.steps = self.sweeps = self.launches = 0
-        self.host_time, self.launch_time = HostTime(), HostTime()
+        self.host_time = HostTime()
         with self._sweep_lock:
             self._pending_sweep = None
 
@@ -272,7 +256,6 @@ class SglangJaxCanary:
         try:
             if engine_precompile is not None:
                 engine_precompile()
-            self.launches_thread.wait()                # its steps' launches own the state
             if self.config.sweep_interval:
                 cap = bucket_capacity(self.num_slots)
                 for c in (1 << k for k in range(DEFAULT_MIN_CAPACITY.bit_length() - 1,
@@ -347,57 +330,58 @@ class SglangJaxCanary:
     def sweep_now(self) -> int:
         """Collect and run a sweep at once on the engine's current layer-0 KV (between steps, in
         the scheduler's thread without the overlap schedule); returns the slots swept."""
-        self.launches_thread.wait()                    # the launches own the state
         n = self.request_sweep()
         self._run_pending_sweep(self.layout.kv0())
         return n
 
     # -- per step -------------------------------------------------------------------------------
     def _run_model(self, forward_batch, logits_metadata):
-        t0 = time.perf_counter()
-        # the previous step's launch has read layer 0's KV before this call donates it; what it
-        # raised (mode 'raise', a failed health check) is raised here, before the model runs
-        self.launches_thread.wait()
         self.steps += 1
         if not self.warming:
             for hook in self.step_hooks:               # fault injection (not canary work)
                 hook(forward_batch)
         si = self.config.sweep_interval
+        t0 = time.perf_counter()
         if self.sweeps_from_wrapper and si and self.steps % si == 0 and not self.warming:
             self.request_sweep()                       # the caller's thread: its radix tree
         t1 = time.perf_counter()
         outputs = self._original(forward_batch, logits_metadata)
         t2 = time.perf_counter()
-        self.launches_thread.submit(functools.partial(
-            self._launch, step_arrays(forward_batch), self.layout.layers(outputs)[0],
-            bool(forward_batch.forward_mode.is_decode()), self.steps))
+        kv0 = self.layout.layers(outputs)[0]            # layer 0's KV as the forward left it
+        self._run_pending_sweep(kv0)
+        self.state, snapshot = self._check_fn(
+            self.state, step_arrays(forward_batch), kv0,
+            decode=bool(forward_batch.forward_mode.is_decode()))
+        if self.warming:
+            return outputs
+        try:
+            with self._monitor_lock:
+                self.monitor.step(self.state, snapshot=snapshot, wait=False)
+        except BaseException:
+            # mode 'raise' (or a health failure): the step has donated the KV pool already, so
+            # hand the engine its new buffers before raising, as its own forward would have
+            self.layout.store_kv(outputs, forward_batch)
+            raise
+        finally:
+            self.idle.touch()
         self.host_time.add(time.perf_counter() - t2 + t1 - t0)
+        si = self.config.stats_interval
+        if si and self.steps % si == 0:
+            self.logger.info("kv-canary: canary time per step over the last %d steps: %s",
+                             len(self.host_time.recent), self.host_time.summary())
         return outputs
 
-    def _launch(self, arrays, kv0, decode: bool, step: int) -> None:
-        """One step's canary work, on the launch thread: the due sweep, the check of what the step
-        read and wrote (``kv0``: layer 0's KV as its forward left it), the monitor's readback."""
-        t0 = time.perf_counter()
-        self._run_pending_sweep(kv0)
-        self.state, snapshot = self._check_fn(self.state, arrays, kv0, decode=decode)
-        if self.warming:
-            return
-        try:
-            self.monitor.step(self.state, snapshot=snapshot, wait=False)
-        finally:
-            self.launch_time.add(time.perf_counter() - t0)
-        si = self.config.stats_interval
-        if si and step % si == 0:
-            self.logger.info("kv-canary: canary time per step over the last %d steps: in the "
-                             "engine's thread %s; launches and readback (a thread of their own) %s",
-                             len(self.host_time.recent), self.host_time.summary(),
-                             self.launch_time.summary())
+    def _on_idle(self) -> None:
+        """No step for a while (``IdleReporter``): report what the last steps found now, rather
+        than with the next request's steps."""
+        with self._monitor_lock:
+            if not self.warming and self.monitor is not None and self.monitor.pending:
+                self.monitor.flush()
 
     def flush(self):
-        """Run the submitted launches, then report what the last step's readback holds (blocks on
-        it); returns the new violations."""
-        self.launches_thread.wait()
-        return self.monitor.flush()
+        """Report what the last step's readback holds (blocks on it); returns new violations."""
+        with self._monitor_lock:
+            return self.monitor.flush()
 
 
 def install(model_runner, config: CanaryConfig, *, tree_cache=None,

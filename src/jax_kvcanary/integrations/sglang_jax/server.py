@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import signal
 from typing import List, Optional
 
 from ...runtime.config import CanaryConfig
@@ -113,6 +115,16 @@ def engine_precompile(scheduler) -> None:
         scheduler.tree_cache.precompile_hicache_transfers()
 
 
+def end_server(scheduler, logger, error: BaseException) -> None:
+    """What the canary does with an error it finds between steps (mode ``raise``: a violation of
+    the last step before the server went idle): log it, then end the server the way sglang-jax's
+    own threads do on a fatal error, with SIGQUIT to the process that launched the scheduler
+    (itself with ``--enable-single-process``), which ends the whole process tree."""
+    logger.error("kv-canary: ending the server: %s", error)
+    single = getattr(scheduler.server_args, "enable_single_process", False)
+    os.kill(os.getpid() if single else os.getppid(), signal.SIGQUIT)
+
+
 def attach(scheduler, config: CanaryConfig, inject: Optional[InjectSpec], precompile: bool,
            logger: Optional[logging.Logger] = None):
     """Install the canary into a constructed scheduler, then run the engine's precompile with it
@@ -130,6 +142,7 @@ def attach(scheduler, config: CanaryConfig, inject: Optional[InjectSpec], precom
         if precompile:
             engine_precompile(scheduler)
         return None
+    canary.idle.on_error = functools.partial(end_server, scheduler, logger)
     canary.precompile(functools.partial(engine_precompile, scheduler) if precompile else None)
     logger.info("kv-canary: installed (mode=%s, real data=%s, sweep interval=%d, %s runner, "
                 "%s attention, page size %d)%s", config.mode, config.real_kv_hash_mode.name.lower(),
