@@ -158,10 +158,16 @@ def test_injected_fault_is_reported_within_two_steps(model_dir, tmp_path, kind):
         injected = srv.injected()
         assert injected is not None and injected[0] == kind, srv.log_tail()
         step = injected[1]
-        hits = [(t, why, pumped) for t, why, _, pumped in srv.reports()
+        reports = srv.reports()
+        hits = [(t, why, pumped) for t, why, _, pumped in reports
                 if t.startswith(tag) and reason in why.split("+")]
-    assert hits, f"no {tag}* {reason} report after the {kind} at step {step}:\n{srv.log_tail()}"
-    assert hits[0][2] <= step + 2, (step, hits[0])
+        assert hits, f"no {tag}* {reason} report after the {kind} at step {step}:\n{srv.log_tail()}"
+        assert hits[0][2] <= step + 2, (step, hits[0])
+        # one report per episode: no (tag, reasons, slot) is reported twice; once the server is
+        # idle, each episode's summary gives its rows and steps
+        seen = [(t, why, slot) for t, why, slot, _ in reports]
+        assert len(seen) == len(set(seen)), seen
+        assert srv.wait_for_log(r"kv_canary episode \d+ ended: launch_tag=\S+ ", timeout=2.0)
 
 
 def test_a_violation_of_the_last_step_before_idle_is_reported_within_a_second(model_dir,

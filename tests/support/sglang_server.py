@@ -129,6 +129,15 @@ class Server:
                         int(pumped.group(1)) if pumped else None))
         return out
 
+    def wait_for_log(self, pattern: str, timeout: float) -> Optional[str]:
+        """The first match of the regex ``pattern`` in the log, waiting up to ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = re.search(pattern, self.log())
+            if m or time.monotonic() > deadline:
+                return m.group(0) if m else None
+            time.sleep(0.05)
+
     def injected(self) -> Optional[tuple]:
         """``(kind, step)`` of the fault the launcher planted, or None."""
         m = INJECTED_RE.search(self.log())
