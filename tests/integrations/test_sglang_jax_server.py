@@ -12,6 +12,7 @@ by their process group.
 """
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -34,6 +35,7 @@ PROMPTS = ["what is the capital of france", "the key value cache holds the keys"
 PREFIX_HIT = PROMPTS[0] + " and why did the server answer wrong"
 LONG = " ".join(["a canary record per slot holds the token, its position and a hash"] * 10)
 CHUNK = 64
+ABORT_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +89,13 @@ def reference(model_dir, tmp_path_factory):
                 name="stock") as srv:
         seq, seq_meta = sequential(srv)
         both, both_meta = batched(srv)
+        alone = [srv.generate(p, ABORT_TOKENS)["output_ids"] for p in PROMPTS[:3]]
         log = srv.log()
     assert "kv-canary" not in log and "kv_canary" not in log        # exactly the stock server
     assert seq_meta[1]["cached_tokens"] > 0                         # the prefix hit
     assert seq_meta[2]["prompt_tokens"] > 2 * CHUNK                 # chunked prefill
     assert [m["cache_miss_count"] for m in seq_meta + both_meta] == [0] * 5
-    return {"sequential": seq, "batched": both}
+    return {"sequential": seq, "batched": both, "alone": alone}
 
 
 def test_overlap_scheduler_same_text_no_violation(model_dir, tmp_path, reference):
@@ -186,6 +189,98 @@ def test_a_violation_of_the_last_step_before_idle_is_reported_within_a_second(mo
             time.sleep(0.05)
         assert srv.reports(), f"no report within 1 s of idling:\n{srv.log_tail()}"
         assert any("write_position" in why for _, why, _, _ in srv.reports())
+
+
+def scrape(srv) -> dict:
+    """sglang-jax's ``/metrics``, parsed by prometheus_client: ``{(name, labels): value}`` of the
+    ``kv_canary_*`` samples."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(srv.get("/metrics"))
+            for s in fam.samples if s.name.startswith("kv_canary_")}
+
+
+def test_metrics_endpoint_and_stats_line(model_dir, tmp_path):
+    """With ``--enable-metrics`` the canary's counters are on sglang-jax's own ``/metrics``
+    (written by the scheduler process, aggregated by the HTTP process); with
+    ``--kv-canary-stats-interval`` the log has upstream's stats line."""
+    import time
+
+    with server(model_dir, tmp_path, "--kv-canary", "log", "--enable-metrics",
+                "--kv-canary-stats-interval", "8", "--kv-canary-sweep-interval", "4",
+                "--kv-canary-inject", "wrong_position", "--kv-canary-inject-step", "6") as srv:
+        srv.generate(PROMPTS[3], 4)
+        srv.generate(PROMPTS[0], 24)
+        time.sleep(1.0)                                   # idle: the last readback is decoded
+        m = scrape(srv)
+        log = srv.log()
+    steps = m[("kv_canary_steps_total", ())]
+    assert steps >= 28, m
+    verified = {dict(k[1])["tag"]: v for k, v in m.items()
+                if k[0] == "kv_canary_slots_verified_total"}
+    written = {dict(k[1])["tag"]: v for k, v in m.items() if k[0] == "kv_canary_slots_written_total"}
+    assert verified.get("HEAD_K_FULL", 0) > steps and written.get("HEAD_K_FULL", 0) >= 28, m
+    assert written.get("TAIL_K_FULL", 0) >= 28 and m[("kv_canary_sweeps_total", ())] >= 5, m
+    bad = {(dict(k[1])["tag"], dict(k[1])["reason"]): v for k, v in m.items()
+           if k[0] == "kv_canary_violations_total"}
+    ended = re.findall(r"kv_canary episode \d+ ended: launch_tag=(\S+) fail_reason=(\S+) "
+                       r"slots=\S+ rows=(\d+)", log)
+    assert ended, log[-3000:]
+    for tag, reasons, rows in ended:                  # every row the log counted is counted here
+        for reason in reasons.split("+"):
+            assert bad.get((tag, reason), 0) >= int(rows), (tag, reason, rows, bad)
+    assert m[("kv_canary_health_ok", ())] == 1 and m[("kv_canary_health_checks_total", ())] >= 1
+    assert m[("kv_canary_protected_tokens", ())] > 0
+    line = re.search(r"kv_canary stats: step=16 protected_tokens=(\d+) sweep_passes=(\d+) "
+                     r"violations=(\d+) .*HEAD_K_FULL=verified:\d+,written:\d+.*; canary time per "
+                     r"step over the last 16 steps: median", log)
+    assert line and int(line.group(1)) > 0 and int(line.group(2)) >= 3, log[-3000:]
+
+
+def test_abort_mode_ends_only_the_request_that_read_the_bad_slot(model_dir, tmp_path, reference):
+    """``--kv-canary abort``: of three concurrent requests, the one whose KV slot was damaged ends
+    with an abort carrying the report; the others answer as in a clean run; the damaged slot
+    leaves the prefix cache, so the same prompt again is recomputed (no cache hit, no report) and
+    answers as in a clean run; the server stays up. (Non-overlap scheduler: concurrent requests
+    under the overlap one are ``test_overlap_scheduler_page_table_race_is_reported``'s matter.)"""
+    import time
+
+    with server(model_dir, tmp_path, "--kv-canary", "abort", "--disable-overlap-schedule",
+                "--kv-canary-inject", "real_kv_used", "--kv-canary-inject-step", "4") as srv:
+        replies = [None] * 3
+
+        def request(i):
+            replies[i] = srv.generate(PROMPTS[i], ABORT_TOKENS)
+
+        threads = [threading.Thread(target=request, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert srv.injected() is not None, srv.log_tail()
+        reasons = [r["meta_info"]["finish_reason"] for r in replies]
+        aborted = [i for i, f in enumerate(reasons) if f["type"] == "abort"]
+        assert len(aborted) == 1, (reasons, srv.log_tail())
+        (bad,) = aborted
+        assert reasons[bad]["message"].startswith("kv-canary: request aborted: its KV slot"), reasons
+        assert "TAIL_K_FULL verify_real_kv_hash" in reasons[bad]["message"], reasons
+        assert len(replies[bad]["output_ids"]) < ABORT_TOKENS
+        for i in set(range(3)) - {bad}:
+            assert reasons[i]["type"] == "length"
+            assert replies[i]["output_ids"] == reference["alone"][i], i
+        log = srv.log()
+        assert f"kv-canary: aborting request rid={replies[bad]['meta_info']['id']}" in log, log[-3000:]
+        assert re.search(r"kv-canary: evicted \d+ cached token\(s\) holding slot", log), log[-3000:]
+        time.sleep(1.0)                                   # idle: every readback decoded
+        seen = len(srv.reports())
+        again = srv.generate(PROMPTS[bad], ABORT_TOKENS)
+        assert again["meta_info"]["cached_tokens"] == 0       # recomputed, not the evicted KV
+        assert again["output_ids"] == reference["alone"][bad]
+        assert again["meta_info"]["finish_reason"]["type"] == "length"
+        time.sleep(1.0)
+        assert len(srv.reports()) == seen, srv.log_tail()
+        assert srv.proc.poll() is None and "Traceback" not in srv.log()
 
 
 def test_raise_mode_ends_the_server_with_the_report(model_dir, tmp_path):

@@ -248,3 +248,34 @@ def test_the_step_path_copies_nothing_to_the_device_and_compiles_once_per_bucket
                 assert runner.jitted_run_model(fb, None) is outputs
     assert canary._check_fn._cache_size() == 1
     assert canary.steps == 10 and canary.host_time.steps == 10
+
+
+def test_prometheus_counters_add_what_changed_and_restart_after_a_reset():
+    prom = pytest.importorskip("prometheus_client")
+    from jax_kvcanary.integrations.sglang_jax.metrics import CanaryTotals, PrometheusCounters
+
+    reg = prom.CollectorRegistry()
+    pc = PrometheusCounters(registry=reg)
+    t = CanaryTotals()
+    t.steps, t.sweeps = 10, 2
+    t.violations = {("HEAD_K_FULL", "verify_position"): 3}
+    t.verified, t.written = {"HEAD_K_FULL": 100}, {"HEAD_K_FULL": 40}
+    pc.update(t, protected=64)
+    t.steps, t.violations = 15, {("HEAD_K_FULL", "verify_position"): 5}
+    t.verified = {"HEAD_K_FULL": 160}
+    pc.update(t, protected=80)
+    get = reg.get_sample_value
+    assert get("kv_canary_steps_total") == 15
+    assert get("kv_canary_violations_total", {"tag": "HEAD_K_FULL", "reason": "verify_position"}) == 5
+    assert get("kv_canary_slots_verified_total", {"tag": "HEAD_K_FULL"}) == 160
+    assert get("kv_canary_slots_written_total", {"tag": "HEAD_K_FULL"}) == 40
+    assert get("kv_canary_sweeps_total") == 2 and get("kv_canary_protected_tokens") == 80
+    assert get("kv_canary_health_ok") == 1
+    reset = CanaryTotals()                       # a fresh canary state counts from zero again
+    reset.steps, reset.health_ok = 4, False
+    pc.update(reset)
+    assert get("kv_canary_steps_total") == 19 and get("kv_canary_health_ok") == 0
+    assert get("kv_canary_protected_tokens") == 80  # unknown (None) leaves the gauge as it was
+    line = t.stats_line(80)
+    assert line.startswith("kv_canary stats: step=15 protected_tokens=80 sweep_passes=2 "
+                           "violations=5 HEAD_K_FULL=verified:160,written:40"), line

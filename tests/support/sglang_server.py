@@ -150,6 +150,11 @@ class Server:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.load(r)
 
+    def get(self, path: str, timeout: float = 30.0) -> str:
+        """The body of a GET (e.g. ``/metrics``), as text."""
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return r.read().decode()
+
     def generate(self, text, max_new_tokens: int = 12, **kw):
         """``/generate`` (greedy): a dict, or a list of dicts for a list of prompts."""
         params = {"max_new_tokens": max_new_tokens, "temperature": 0, **kw}

@@ -19,6 +19,7 @@ class HealthCheck:
 
     ``interval``: steps between checks (0 disables). ``expected_tags``: tags that must run in every
     window. ``observe`` raises ``CanaryHealthError`` naming the tags (and device) that did not move.
+    ``checks`` counts the checks made; ``ok`` is False once one failed.
     """
 
     def __init__(self, interval: int, expected_tags: Sequence[int]):
@@ -27,6 +28,7 @@ class HealthCheck:
         self._base_step: Optional[int] = None
         self._base: Optional[np.ndarray] = None
         self.checks = 0
+        self.ok = True
 
     def due(self, step: int) -> bool:
         """Whether ``observe(step, ...)`` would check (or take its first baseline)."""
@@ -52,6 +54,7 @@ class HealthCheck:
         window = step - self._base_step
         self._base_step, self._base = step, runs.copy()
         if missing:
+            self.ok = False
             multi = runs.shape[0] > 1
             names = ", ".join(tag_name(t) + (f"@device{d}" if multi else "") for d, t in missing)
             raise CanaryHealthError(

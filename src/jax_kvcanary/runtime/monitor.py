@@ -119,6 +119,8 @@ class Monitor:
       expected_tags: the launch tags the health check requires to have run.
       stats_interval: steps between INFO stats lines (0 = off).
       stats_tags: the tags a stats line lists (default ``expected_tags``).
+      counters_interval: steps between full decodes of the counters into ``monitor.counters``
+        (for metrics; stats lines and health checks decode them too); 0 = only when needed.
       logger: where reports go (default ``logging.getLogger('jax_kvcanary')``).
       episodes: an ``EpisodeLog``: log one report per episode (a fault's rows, counted) instead
         of one per row, and in mode ``'raise'`` raise with the first row's report and a count of
@@ -133,12 +135,13 @@ class Monitor:
 
     def __init__(self, mode: str = "log", *, health_interval: int = 0, expected_tags=(),
                  stats_interval: int = 0, stats_tags=None, logger: Optional[logging.Logger] = None,
-                 episodes: Optional[EpisodeLog] = None):
+                 episodes: Optional[EpisodeLog] = None, counters_interval: int = 0):
         if mode not in ("log", "raise", "none"):
             raise ValueError(f"kv-canary: Monitor mode must be 'log', 'raise' or 'none', got {mode!r}")
         self.mode = mode
         self.health = HealthCheck(health_interval, expected_tags)
         self.stats_interval = int(stats_interval)
+        self.counters_interval = int(counters_interval)
         self.stats_tags = tuple(expected_tags if stats_tags is None else stats_tags)
         self.logger = logger or LOGGER
         self.steps = 0
@@ -230,8 +233,8 @@ class Monitor:
         log = self._state
         num_tags = int(log.kernel_run_counters.shape[-2])
         host = np.asarray(snap)
-        if not full and not self.health.due(snap_step) and not (
-                self.stats_interval and snap_step % self.stats_interval == 0):
+        if not full and not self.health.due(snap_step) and not any(
+                n and snap_step % n == 0 for n in (self.stats_interval, self.counters_interval)):
             wi = np.ascontiguousarray(host.reshape(-1, host.shape[-1])[:, :4]).view("<i4")
             if self._watermark is not None and np.all(
                     np.minimum(wi[:, 0], int(log.ring.shape[-2])) <= self._watermark):

@@ -20,7 +20,9 @@ disaggregation, HiCache, MLA and hybrid (SWA, recurrent) KV pools.
 
 Modules: ``canary`` (``SglangJaxCanary``: the wrapped model call and its checks), ``layout`` (the
 engine's arrays as the canary addresses them), ``server`` (refusals, the guarded scheduler),
-``launch_server`` (the command), ``inject`` (faults for testing), ``flags`` (the upstream flags).
+``launch_server`` (the command), ``abort`` (mode ``abort``: the named requests aborted, the named
+slots evicted), ``metrics`` (the stats line, Prometheus counters), ``inject`` (faults for
+testing), ``flags`` (the upstream flags).
 Importing this package does not import sglang-jax.
 """
 

@@ -54,6 +54,7 @@ from ...runtime.episodes import EpisodeLog
 from ...runtime.monitor import Monitor, counter_snapshot
 from ...runtime.sweep import DEFAULT_MIN_CAPACITY, bucket_capacity, build_group_sweep_plans
 from .layout import page_table_batch, real_kv_sources, runner_layout, step_arrays
+from .metrics import COUNTERS_INTERVAL, CanaryTotals, PrometheusCounters
 
 LOGGER = logging.getLogger("jax_kvcanary")
 
@@ -162,6 +163,8 @@ class SglangJaxCanary:
       tree_cache: the scheduler's ``RadixCache``; needed when ``config.sweep_interval > 0``.
       logger: where reports go (default ``logging.getLogger('jax_kvcanary')``).
       episodes: report one episode per fault (``runtime.EpisodeLog``) instead of every row.
+      metrics: ``PrometheusCounters`` to keep up to date (None: no metrics).
+      protected_tokens: returns the KV slots in use, for the stats line and the metrics.
 
     Attributes: ``config``, ``state`` (the ``CanaryState``, donated by every step), ``monitor``
     (``Monitor``: ``monitor.violations`` holds what was reported), ``steps``, ``sweeps``,
@@ -172,7 +175,9 @@ class SglangJaxCanary:
     """
 
     def __init__(self, runner, config: CanaryConfig, *, tree_cache=None,
-                 logger: Optional[logging.Logger] = None, episodes: bool = False):
+                 logger: Optional[logging.Logger] = None, episodes: bool = False,
+                 metrics: Optional[PrometheusCounters] = None,
+                 protected_tokens: Optional[Callable[[], int]] = None):
         if not isinstance(config, CanaryConfig):
             raise TypeError(f"kv-canary: config must be a CanaryConfig, got {type(config).__name__}")
         if not config.enabled:
@@ -204,10 +209,13 @@ class SglangJaxCanary:
         self.sweeps_from_wrapper = True              # False once a scheduler hook requests them
         self.launch_hooks = []                       # f(schedule_batch), before each launch
         self.step_hooks = []                         # f(forward_batch), before each step
+        self.violation_hooks = []                    # f(new violations), after each readback
         self.launches = 0                            # batches the scheduler hook has seen
         self.steps = self.sweeps = 0
         self.warming = False                         # inside precompile: nothing is reported
         self.host_time = HostTime()                  # the canary's own time in each step
+        self.metrics = metrics
+        self.protected_tokens = protected_tokens or (lambda: -1)
         self._monitor_lock = threading.Lock()          # the steps and the idle reporter
         self.idle = IdleReporter(self._on_idle, logger=self.logger)
         self.state = None
@@ -232,8 +240,14 @@ class SglangJaxCanary:
         # placed as the launches' outputs are (replicated over the runner's mesh, the sharding
         # they declare), so that every step of a bucket runs the program compiled for it
         self.state = jax.device_put(self._endpoints(1, 1).init_state(), self._replicated())
-        self.monitor = Monitor.from_config(self.config, logger=self.logger,
-                                           episodes=EpisodeLog() if self.episodes else None)
+        c = self.config
+        # the stats line is the canary's own (``stats``); the monitor decodes the counters for it
+        self.monitor = Monitor(c.mode, health_interval=c.health_interval,
+                               expected_tags=c.expected_tags(), logger=self.logger,
+                               episodes=EpisodeLog() if self.episodes else None,
+                               counters_interval=c.stats_interval or (
+                                   COUNTERS_INTERVAL if self.metrics is not None else 0))
+        self._seen_counters = None
         self.steps = self.sweeps = self.launches = 0
         self.host_time = HostTime()
         with self._sweep_lock:
@@ -372,7 +386,7 @@ class SglangJaxCanary:
             return outputs
         try:
             with self._monitor_lock:
-                self.monitor.step(self.state, snapshot=snapshot, wait=False)
+                self._after_readback(self.monitor.step(self.state, snapshot=snapshot, wait=False))
         except BaseException:
             # mode 'raise' (or a health failure): the step has donated the KV pool already, so
             # hand the engine its new buffers before raising, as its own forward would have
@@ -383,16 +397,27 @@ class SglangJaxCanary:
         self.host_time.add(time.perf_counter() - t2 + t1 - t0)
         si = self.config.stats_interval
         if si and self.steps % si == 0:
-            self.logger.info("kv-canary: canary time per step over the last %d steps: %s",
+            self.logger.info("%s; canary time per step over the last %d steps: %s",
+                             CanaryTotals.read(self).stats_line(self.protected_tokens()),
                              len(self.host_time.recent), self.host_time.summary())
         return outputs
+
+    def _after_readback(self, new) -> None:
+        """After a readback (the monitor's lock held): hand its new violations to the
+        ``violation_hooks``, and bring the metrics up to date if the counters were read."""
+        if new:
+            for hook in self.violation_hooks:
+                hook(new)
+        if self.metrics is not None and self.monitor.counters is not self._seen_counters:
+            self._seen_counters = self.monitor.counters
+            self.metrics.update(CanaryTotals.read(self), self.protected_tokens())
 
     def _on_idle(self) -> None:
         """No step for a while (``IdleReporter``): report what the last steps found now, rather
         than with the next request's steps."""
         with self._monitor_lock:
             if not self.warming and self.monitor is not None and self.monitor.pending:
-                self.monitor.flush()
+                self._after_readback(self.monitor.flush())
 
     def flush(self):
         """Report what the last step's readback holds (blocks on it); returns new violations."""
@@ -401,8 +426,9 @@ class SglangJaxCanary:
 
 
 def install(model_runner, config: CanaryConfig, *, tree_cache=None,
-            logger: Optional[logging.Logger] = None, episodes: bool = False
-            ) -> Optional[SglangJaxCanary]:
+            logger: Optional[logging.Logger] = None, episodes: bool = False,
+            metrics: Optional[PrometheusCounters] = None,
+            protected_tokens: Optional[Callable[[], int]] = None) -> Optional[SglangJaxCanary]:
     """Install the canary into a running sglang-jax ``ModelRunner`` (see the module docstring).
 
     Args:
@@ -412,6 +438,8 @@ def install(model_runner, config: CanaryConfig, *, tree_cache=None,
       logger: where reports go (default ``logging.getLogger('jax_kvcanary')``).
       episodes: log one report per episode (a fault's rows, counted: ``runtime.EpisodeLog``)
         instead of one per row.
+      metrics: ``PrometheusCounters`` to keep up to date (None: no metrics).
+      protected_tokens: returns the KV slots in use, for the stats line and the metrics.
 
     Returns:
       The installed ``SglangJaxCanary`` (``uninstall()`` restores the runner), or None for mode
@@ -425,7 +453,8 @@ def install(model_runner, config: CanaryConfig, *, tree_cache=None,
     if not config.enabled:
         return None
     return SglangJaxCanary(model_runner, config, tree_cache=tree_cache, logger=logger,
-                           episodes=episodes).install()
+                           episodes=episodes, metrics=metrics,
+                           protected_tokens=protected_tokens).install()
 
 
 def install_into_scheduler(scheduler, config: CanaryConfig, **kw) -> Optional[SglangJaxCanary]:

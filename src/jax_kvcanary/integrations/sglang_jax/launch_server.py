@@ -1,6 +1,6 @@
 """sglang-jax's HTTP server with the KV-cache canary in every scheduler: one command.
 
-    python -m jax_kvcanary.integrations.sglang_jax.launch_server --kv-canary log \\
+    python -m jax_kvcanary.integrations.sglang_jax.launch_server --kv-canary log|abort|raise \\
         [--kv-canary-real-data none|partial|all] [--kv-canary-sweep-interval N] \\
         [--kv-canary-inject KIND --kv-canary-inject-step N] <sgl_jax.launch_server arguments>
 
@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 
-from .flags import add_cli_args, config_from_args
+from .flags import aborts, add_cli_args, config_from_args
 from .inject import add_inject_args, spec_from_args
 
 
@@ -56,7 +56,8 @@ def main(argv=None) -> int:
         print(e, file=sys.stderr)
         return 2
     if inject is not None and not config.enabled:
-        print("kv-canary: --kv-canary-inject needs --kv-canary log or raise", file=sys.stderr)
+        print("kv-canary: --kv-canary-inject needs --kv-canary log, abort or raise",
+              file=sys.stderr)
         return 2
     sys.argv = [sys.argv[0]] + rest
     if not config.enabled:                             # exactly the stock server
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
         for line in refused:
             print(line, file=sys.stderr)
         return 2
-    guard_engine(config, inject)
+    guard_engine(config, inject, abort=aborts(ns))
     try:
         http_server.launch(server_args)
     finally:

@@ -17,6 +17,7 @@ the canary's step is compiled for the engine's buckets before the first request.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -25,8 +26,10 @@ from typing import List, Optional
 
 from ...runtime.config import CanaryConfig
 from .canary import LOGGER, install_into_scheduler
+from .abort import install_aborter
 from .inject import FaultInjector, InjectSpec
 from .layout import ATTENTION_BACKENDS
+from .metrics import PrometheusCounters, protected_tokens
 
 
 def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = None
@@ -125,18 +128,40 @@ def end_server(scheduler, logger, error: BaseException) -> None:
     os.kill(os.getpid() if single else os.getppid(), signal.SIGQUIT)
 
 
-def attach(scheduler, config: CanaryConfig, inject: Optional[InjectSpec], precompile: bool,
-           logger: Optional[logging.Logger] = None):
+@dataclasses.dataclass(frozen=True)
+class Guard:
+    """What the launcher installs in each scheduler (pickled into spawned scheduler processes).
+
+    Attributes:
+      config: the canary's ``CanaryConfig``.
+      inject: the fault to plant (``--kv-canary-inject``), or None.
+      abort: mode ``abort``: a violation aborts the requests it names (``abort.RequestAborter``).
+    """
+
+    config: CanaryConfig
+    inject: Optional[InjectSpec] = None
+    abort: bool = False
+
+
+def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.Logger] = None):
     """Install the canary into a constructed scheduler, then run the engine's precompile with it
     (when ``precompile``). A failure to install is logged (the server then runs without the
     canary) rather than raised: the settings it cannot cover were refused before start."""
     logger = logger or LOGGER
+    config, inject = guard.config, guard.inject
     try:
-        canary = install_into_scheduler(scheduler, config, logger=logger, episodes=True)
+        metrics = (PrometheusCounters() if getattr(scheduler.server_args, "enable_metrics", False)
+                   else None)
+        canary = install_into_scheduler(
+            scheduler, config, logger=logger, episodes=True, metrics=metrics,
+            protected_tokens=functools.partial(protected_tokens,
+                                               scheduler.token_to_kv_pool_allocator))
         if inject is not None:
             injector = FaultInjector(inject, canary, scheduler, logger=logger)
             canary.launch_hooks.append(injector.before_launch)
             canary.step_hooks.append(injector.before_step)
+        if guard.abort:
+            install_aborter(scheduler, canary, logger)
     except (TypeError, ValueError) as e:
         logger.error("%s; this server runs WITHOUT the canary", e)
         if precompile:
@@ -145,14 +170,15 @@ def attach(scheduler, config: CanaryConfig, inject: Optional[InjectSpec], precom
     canary.idle.on_error = functools.partial(end_server, scheduler, logger)
     canary.precompile(functools.partial(engine_precompile, scheduler) if precompile else None)
     logger.info("kv-canary: installed (mode=%s, real data=%s, sweep interval=%d, %s runner, "
-                "%s attention, page size %d)%s", config.mode, config.real_kv_hash_mode.name.lower(),
+                "%s attention, page size %d%s)%s", "abort" if guard.abort else config.mode,
+                config.real_kv_hash_mode.name.lower(),
                 config.sweep_interval, type(canary.layout).__name__, canary.layout.attention_backend,
-                canary.layout.page_size, f"; fault to inject: {inject.kind} from step {inject.step}"
-                if inject else "")
+                canary.layout.page_size, ", metrics on /metrics" if metrics is not None else "",
+                f"; fault to inject: {inject.kind} from step {inject.step}" if inject else "")
     return canary
 
 
-def guarded_scheduler_class(config: CanaryConfig, inject: Optional[InjectSpec]):
+def guarded_scheduler_class(guard: Guard):
     """A subclass of the scheduler module's current ``Scheduler`` that installs the canary."""
     from sgl_jax.srt.managers import scheduler as sched
 
@@ -168,35 +194,36 @@ def guarded_scheduler_class(config: CanaryConfig, inject: Optional[InjectSpec]):
                 super().__init__(server_args, *args, **kwargs)
             finally:
                 server_args.disable_precompile = not precompile
-            self.kv_canary = attach(self, config, inject, precompile)
+            self.kv_canary = attach(self, guard, precompile)
 
     GuardedScheduler.__qualname__ = GuardedScheduler.__name__ = base.__name__
     return GuardedScheduler
 
 
-def use_guarded_scheduler(config: CanaryConfig, inject: Optional[InjectSpec]) -> None:
+def use_guarded_scheduler(guard: Guard) -> None:
     """Swap the scheduler module's ``Scheduler`` for the guarded one (in this process)."""
     from sgl_jax.srt.managers import scheduler as sched
 
     if not getattr(sched.Scheduler, "_kv_canary_guarded", False):
-        sched.Scheduler = guarded_scheduler_class(config, inject)
+        sched.Scheduler = guarded_scheduler_class(guard)
         sched.Scheduler._kv_canary_guarded = True
 
 
-def run_guarded_scheduler_process(config: CanaryConfig, inject: Optional[InjectSpec], *args,
-                                  **kwargs):
+def run_guarded_scheduler_process(guard: Guard, *args, **kwargs):
     """The scheduler process's entry point: sglang-jax's ``run_scheduler_process`` with the
     guarded ``Scheduler`` (the child imports this module to unpickle it)."""
     from sgl_jax.srt.managers import scheduler as sched
 
-    use_guarded_scheduler(config, inject)
+    use_guarded_scheduler(guard)
     return sched.run_scheduler_process(*args, **kwargs)
 
 
-def guard_engine(config: CanaryConfig, inject: Optional[InjectSpec] = None) -> None:
+def guard_engine(config: CanaryConfig, inject: Optional[InjectSpec] = None,
+                 abort: bool = False) -> None:
     """Make sglang-jax's ``launch_server`` start its scheduler with the canary (both in a spawned
-    scheduler process and with ``--enable-single-process``)."""
+    scheduler process and with ``--enable-single-process``); ``abort``: mode ``abort``."""
     from sgl_jax.srt.entrypoints import engine
 
-    engine.run_scheduler_process = functools.partial(run_guarded_scheduler_process, config, inject)
-    use_guarded_scheduler(config, inject)
+    guard = Guard(config, inject, abort)
+    engine.run_scheduler_process = functools.partial(run_guarded_scheduler_process, guard)
+    use_guarded_scheduler(guard)

@@ -1,0 +1,142 @@
+"""The canary's counters for operators: a periodic stats line, and Prometheus metrics on
+sglang-jax's own ``/metrics`` endpoint (``--enable-metrics``).
+
+sglang-jax serves ``/metrics`` from its HTTP process by aggregating the files every process writes
+into ``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess mode; the launcher sets the
+directory before it starts the scheduler). ``PrometheusCounters`` made in the scheduler process
+therefore show up there with no endpoint of their own:
+
+==================================  =======  =============================================
+``kv_canary_violations_total``      counter  rows recorded, by ``tag`` (launch tag) and
+                                             ``reason`` (fail reason)
+``kv_canary_slots_verified_total``  counter  entries verified, by ``tag``
+``kv_canary_slots_written_total``   counter  records written, by ``tag``
+``kv_canary_steps_total``           counter  serving steps the canary checked
+``kv_canary_sweeps_total``          counter  prefix-cache sweeps run
+``kv_canary_health_checks_total``   counter  health checks made
+``kv_canary_health_ok``             gauge    1 while every health check passed, else 0
+``kv_canary_protected_tokens``      gauge    KV slots in use (their records are checked)
+==================================  =======  =============================================
+
+The device counters (verified, written) are as of the monitor's last full readback: every
+``COUNTERS_INTERVAL`` steps, at a stats line, and when the server goes idle.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from ...consts import tag_name
+
+#: steps between full readbacks of the device counters when metrics are on
+COUNTERS_INTERVAL = 64
+
+
+def protected_tokens(allocator) -> int:
+    """KV slots in use in an sglang-jax token-to-KV allocator (size minus available), -1 if it
+    does not say."""
+    try:
+        return int(allocator.size) - int(allocator.available_size())
+    except Exception:  # an allocator without these (e.g. hybrid SWA pools)
+        return -1
+
+
+class CanaryTotals:
+    """What the canary has counted since its last reset, as plain numbers (for the stats line and
+    the metrics): read from a ``SglangJaxCanary`` by ``read``."""
+
+    def __init__(self):
+        self.steps = self.sweeps = 0
+        self.violations: Dict[Tuple[str, str], int] = {}
+        self.verified: Dict[str, int] = {}
+        self.written: Dict[str, int] = {}
+        self.health_checks = 0
+        self.health_ok = True
+
+    @classmethod
+    def read(cls, canary) -> "CanaryTotals":
+        t = cls()
+        m = canary.monitor
+        t.steps, t.sweeps = int(canary.steps), int(canary.sweeps)
+        t.violations = dict(m.by_tag_reason)
+        t.health_checks, t.health_ok = m.health.checks, m.health.ok
+        if m.counters is not None:
+            ver = m.counters.verified.sum(axis=0)
+            wr = m.counters.written.sum(axis=0)
+            for tag in np.flatnonzero(m.counters.slot_runs.sum(axis=0)):
+                t.verified[tag_name(int(tag))] = int(ver[tag])
+                t.written[tag_name(int(tag))] = int(wr[tag])
+        return t
+
+    @property
+    def total_violations(self) -> int:
+        return sum(self.violations.values())
+
+    def stats_line(self, protected: int) -> str:
+        """``kv_canary stats: step=N protected_tokens=P sweep_passes=S violations=V
+        TAG=verified:..,written:.. ...`` (upstream's fields first)."""
+        parts = [f"kv_canary stats: step={self.steps} protected_tokens={protected} "
+                 f"sweep_passes={self.sweeps} violations={self.total_violations}"]
+        parts += [f"{tag}=verified:{self.verified[tag]},written:{self.written[tag]}"
+                  for tag in sorted(self.verified)]
+        return " ".join(parts)
+
+
+class PrometheusCounters:
+    """The canary's Prometheus metrics (module docstring) in this process's registry.
+
+    ``update(totals, protected)`` adds what changed since the last call; totals that went down
+    (the canary state was reset, e.g. after the engine's precompile) start a new baseline.
+
+    Args:
+      registry: a ``prometheus_client.CollectorRegistry`` (default: the process's default one,
+        which in multiprocess mode writes to ``PROMETHEUS_MULTIPROC_DIR``).
+    """
+
+    def __init__(self, registry=None):
+        from prometheus_client import REGISTRY, Counter, Gauge
+
+        reg = REGISTRY if registry is None else registry
+        self.violations = Counter("kv_canary_violations", "KV-canary violation rows recorded",
+                                  ["tag", "reason"], registry=reg)
+        self.verified = Counter("kv_canary_slots_verified", "KV-canary entries verified",
+                                ["tag"], registry=reg)
+        self.written = Counter("kv_canary_slots_written", "KV-canary records written", ["tag"],
+                               registry=reg)
+        self.steps = Counter("kv_canary_steps", "serving steps the KV canary checked",
+                             registry=reg)
+        self.sweeps = Counter("kv_canary_sweeps", "KV-canary prefix-cache sweeps run",
+                              registry=reg)
+        self.health_checks = Counter("kv_canary_health_checks", "KV-canary health checks made",
+                                     registry=reg)
+        self.health_ok = Gauge("kv_canary_health_ok", "1 while every KV-canary health check "
+                               "passed, else 0", registry=reg, multiprocess_mode="mostrecent")
+        self.protected = Gauge("kv_canary_protected_tokens", "KV slots in use, checked by the "
+                               "canary", registry=reg, multiprocess_mode="mostrecent")
+        self.health_ok.set(1)
+        self._last = collections.defaultdict(int)
+
+    def _add(self, counter, key, value: int) -> None:
+        last = self._last[(id(counter), key)]
+        delta = value - last if value >= last else value
+        if delta:
+            (counter.labels(*key) if key else counter).inc(delta)
+        self._last[(id(counter), key)] = value
+
+    def update(self, totals: CanaryTotals, protected: Optional[int] = None) -> None:
+        """Add the changes of ``totals`` (a ``CanaryTotals``); set the protected-token gauge."""
+        for key, n in totals.violations.items():
+            self._add(self.violations, key, n)
+        for tag, n in totals.verified.items():
+            self._add(self.verified, (tag,), n)
+        for tag, n in totals.written.items():
+            self._add(self.written, (tag,), n)
+        self._add(self.steps, (), totals.steps)
+        self._add(self.sweeps, (), totals.sweeps)
+        self._add(self.health_checks, (), totals.health_checks)
+        self.health_ok.set(1 if totals.health_ok else 0)
+        if protected is not None and protected >= 0:
+            self.protected.set(protected)
