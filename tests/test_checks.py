@@ -485,3 +485,12 @@ def test_state_constructor_errors():
         kvc.ViolationLog.create(4, 0)
     with raises(ValueError, "kv-canary: canary slot stride must be a multiple of 8 bytes, got 36"):
         kvc.new_canary_buffer(4, 36)
+    with raises(TypeError, "kv-canary: num_slots must be an int, got float 2.5"):
+        kvc.new_canary_buffer(2.5)
+    with raises(TypeError, "kv-canary: slot_stride_bytes must be an int, got bool"):
+        kvc.new_canary_buffer(4, True)
+    with raises(TypeError, "kv-canary: ViolationLog ring_capacity must be an int, got float 2.5"):
+        kvc.ViolationLog.create(2.5)
+    with raises(TypeError, "kv-canary: ViolationLog num_tags must be an int, got str '12'"):
+        kvc.ViolationLog.create(4, "12")
+    assert kvc.new_canary_buffer(np.int64(4)).shape == (4, 32)      # numpy ints are ints

@@ -97,3 +97,14 @@ def test_argument_errors(capsys, argv, text):
         demo.parse_args(argv)
     assert e.value.code == 2
     assert text in capsys.readouterr().err
+
+
+def test_help_states_every_exit_status(capsys):
+    from jax_kvcanary.demo.cli import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert "Exit status: 0 clean" in out and "1 a ``CanaryViolationError``" in out
+    assert "2 an injected fault" in out and "3 a failed health check" in out.replace("\n", " ")

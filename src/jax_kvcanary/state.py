@@ -5,6 +5,7 @@ All 64-bit quantities live in uint8 arrays (little-endian), so nothing here need
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple, Optional
 
 import jax
@@ -13,12 +14,28 @@ import numpy as np
 
 from . import consts
 from ._pytree import FieldsPytree
+from .errors import KvCanaryTypeError
+
+
+def _size(name: str, value) -> int:
+    """``value`` as an int, refusing what is not an integer (``2.5`` is not silently 2)."""
+    if isinstance(value, bool):
+        raise KvCanaryTypeError(f"kv-canary: {name} must be an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise KvCanaryTypeError(f"kv-canary: {name} must be an int, got {type(value).__name__} "
+                                f"{value!r}") from None
 
 
 def new_canary_buffer(num_slots: int, slot_stride_bytes: int = consts.CANARY_SLOT_BYTES) -> jax.Array:
-    """A fresh canary buffer: zeros, ``uint8[num_slots, slot_stride_bytes]``."""
-    num_slots = int(num_slots)
-    slot_stride_bytes = int(slot_stride_bytes)
+    """A fresh canary buffer: zeros, ``uint8[num_slots, slot_stride_bytes]``.
+
+    Raises:
+      TypeError: a size that is not an int; ValueError: a size out of range.
+    """
+    num_slots = _size("num_slots", num_slots)
+    slot_stride_bytes = _size("slot_stride_bytes", slot_stride_bytes)
     if num_slots < 1:
         raise ValueError(f"kv-canary: num_slots must be >= 1, got {num_slots}")
     if slot_stride_bytes < consts.CANARY_SLOT_BYTES:
@@ -143,10 +160,11 @@ class ViolationLog(FieldsPytree):
           num_tags: counter rows (>= 1; the 12 ``LaunchTag`` values by default).
 
         Raises:
+          TypeError: a capacity or tag count that is not an int.
           ValueError: a capacity or tag count below 1.
         """
-        ring_capacity = int(ring_capacity)
-        num_tags = int(num_tags)
+        ring_capacity = _size("ViolationLog ring_capacity", ring_capacity)
+        num_tags = _size("ViolationLog num_tags", num_tags)
         if ring_capacity < 1:
             raise ValueError(f"kv-canary: ViolationLog ring_capacity must be positive, got {ring_capacity}")
         if num_tags < 1:

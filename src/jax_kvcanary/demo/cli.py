@@ -32,7 +32,9 @@ MAX_LOGGED_REPORTS = 6
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jax_kvcanary.demo", description=__doc__.split("\n\n")[1],
+    paragraphs = __doc__.split("\n\n")
+    p = argparse.ArgumentParser(prog="python -m jax_kvcanary.demo", description=paragraphs[1],
+                                epilog=next(t for t in paragraphs if t.startswith("Exit status")),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=40, help="serving steps (default 40)")
     p.add_argument("--requests", type=int, default=8, help="requests to serve (default 8)")
