@@ -151,11 +151,33 @@ INJECT_CASES = {
 }
 
 
+def tensor_parallel(tp: int) -> dict:
+    """The launcher arguments and environment of ``--tp-size tp`` on forced host devices."""
+    if tp == 1:
+        return dict(args=(), env=None)
+    return dict(args=("--tp-size", str(tp)),
+                env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={tp}"})
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_same_text_no_violation(model_dir, tmp_path, reference, tp):
+    """``--tp-size 2`` and ``4`` (the fused KV buffer's heads sharded over the devices; each
+    device checks its own heads with a canary state of its own)."""
+    par = tensor_parallel(tp)
+    with server(model_dir, tmp_path, "--kv-canary", "log", "--kv-canary-sweep-interval", "4",
+                *par["args"], env=par["env"]) as srv:
+        outs, metas = sequential(srv)
+        assert_clean(srv, outs, metas, reference["sequential"])
+        assert f"tensor parallel over {tp} devices" in srv.log()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("kind", sorted(INJECT_CASES))
-def test_injected_fault_is_reported_within_two_steps(model_dir, tmp_path, kind):
+def test_injected_fault_is_reported_within_two_steps(model_dir, tmp_path, kind, tp):
     extra, (tag, reason) = INJECT_CASES[kind]
+    par = tensor_parallel(tp)
     with server(model_dir, tmp_path, "--kv-canary", "log", "--kv-canary-inject", kind,
-                "--kv-canary-inject-step", "4", *extra) as srv:
+                "--kv-canary-inject-step", "4", *extra, *par["args"], env=par["env"]) as srv:
         srv.generate(PROMPTS[3], 4)                                 # a cached prefix, unused later
         srv.generate(PROMPTS[0], 24)                                # ~25 steps
         injected = srv.injected()
@@ -166,6 +188,8 @@ def test_injected_fault_is_reported_within_two_steps(model_dir, tmp_path, kind):
                 if t.startswith(tag) and reason in why.split("+")]
         assert hits, f"no {tag}* {reason} report after the {kind} at step {step}:\n{srv.log_tail()}"
         assert hits[0][2] <= step + 2, (step, hits[0])
+        if tp > 1:                                        # rows say which device found them
+            assert re.search(r"\n  device=\d\n", srv.log()), srv.log_tail()
         # one report per episode: no (tag, reasons, slot) is reported twice; once the server is
         # idle, each episode's summary gives its rows and steps
         seen = [(t, why, slot) for t, why, slot, _ in reports]
@@ -308,7 +332,6 @@ def test_raise_mode_ends_the_server_with_the_report(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("args, refused", [
-    (["--tp-size", "2"], "kv-canary: --tp-size 2 is not supported"),
     (["--dp-size", "2"], "kv-canary: --dp-size 2 is not supported"),
     (["--kv-canary-inject", "real_kv_unused_cache"],
      "kv-canary: --kv-canary-inject real_kv_unused_cache without sweeps is not supported"),

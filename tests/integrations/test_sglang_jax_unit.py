@@ -66,7 +66,6 @@ def fake_runner(kv0, **kw):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(tp_size=2), "supports tp_size=1 only"),
     (dict(dp_size=2), "supports dp_size=1 only"),
     (dict(use_mla_backend=True), "does not support MLA"),
     (dict(is_hybrid=True), "does not support hybrid sliding-window"),
@@ -87,6 +86,12 @@ def test_runner_layout_is_chosen_by_what_the_runner_has():
     del legacy.memory_pools
     old = layout.runner_layout(legacy)
     assert isinstance(old, layout.LegacyRunner) and old.geometry.num_slots == 9
+    legacy.tp_size = 2
+    with pytest.raises(ValueError, match="supported on sglang-jax main only; this 0.0.2 runner "
+                                         "has tp_size=2"):
+        layout.runner_layout(legacy)
+    assert isinstance(layout.runner_layout(fake_runner(np.zeros((5, 4, 4, 1, 8), np.float32),
+                                                       tp_size=2)), layout.PoolsRunner)
     with pytest.raises(ValueError, match="^kv-canary: expected layer 0's fused KV buffer"):
         layout.fused_geometry(np.zeros((9, 3, 8), np.float32))
     with pytest.raises(ValueError, match="^kv-canary: a KV head must be a multiple of 16 bytes"):
@@ -159,9 +164,8 @@ def test_refusals_name_the_setting_and_the_fix():
 
     log = CanaryConfig(mode="log")
     assert refusals(server_args(), log) == []
-    assert refusals(server_args(tp_size=4), CanaryConfig(mode="none")) == []
+    assert refusals(server_args(tp_size=4), log) == []            # tensor parallel: covered
     cases = [
-        (dict(tp_size=2), "kv-canary: --tp-size 2 is not supported"),
         (dict(dp_size=2), "kv-canary: --dp-size 2 is not supported"),
         (dict(speculative_algorithm="EAGLE"), "kv-canary: --speculative-algorithm EAGLE"),
         (dict(enable_lora=True), "kv-canary: --enable-lora is not supported"),

@@ -14,9 +14,10 @@ or install it where your code builds sglang-jax's scheduler or model runner::
 
 Supported: sglang-jax 0.0.2 and its main branch (``layout``: the runner's layout decides, not a
 version string), the overlap scheduler and the non-overlap one, page sizes 1 and above, the native
-and fa attention backends, ``--enable-single-process``, the AOT dispatcher. Refused before start
-(``server.refusals``): tensor and data parallelism, speculative decoding, LoRA, multimodal, PD
-disaggregation, HiCache, MLA and hybrid (SWA, recurrent) KV pools.
+and fa attention backends, ``--enable-single-process``, the AOT dispatcher, tensor parallelism
+(main: one canary state per device of the ``tensor`` axis, each checking its own KV heads).
+Refused before start (``server.refusals``): data parallelism, speculative decoding, LoRA,
+multimodal, PD disaggregation, HiCache, MLA and hybrid (SWA, recurrent) KV pools.
 
 Modules: ``canary`` (``SglangJaxCanary``: the wrapped model call and its checks), ``layout`` (the
 engine's arrays as the canary addresses them), ``server`` (refusals, the guarded scheduler),

@@ -21,6 +21,11 @@ the same on the tail canaries with fingerprints of layer 0's real KV bytes as th
 them. (Upstream runs HEAD before the forward; here both run in one launch after it, which checks
 the same records with one dispatch per step instead of two.)
 
+**Tensor parallelism** (``tp > 1``: the fused KV buffer's heads sharded over the mesh's
+``tensor`` axis): the canary state has one block per device of that axis and the launch runs
+under ``jax.shard_map`` (``_per_device``), each device on its own state and its own KV heads, so
+no KV is gathered across devices; the monitor labels each row with its device.
+
 **Sweeps** of the prefix cache (``config.sweep_interval``) are collected on the host where the
 scheduler's radix tree is consistent (``request_sweep``, called by the scheduler hook of
 ``install_into_scheduler`` before it launches a batch, or by the wrapper itself when there is no
@@ -47,11 +52,13 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ...runtime.config import CanaryConfig
 from ...runtime.endpoints import CanaryEndpoints
 from ...runtime.episodes import EpisodeLog
 from ...runtime.monitor import Monitor, counter_snapshot
+from ...runtime.multidevice import global_view, local_view
 from ...runtime.sweep import DEFAULT_MIN_CAPACITY, bucket_capacity, build_group_sweep_plans
 from .layout import page_table_batch, real_kv_sources, runner_layout, step_arrays
 from .metrics import COUNTERS_INTERVAL, CanaryTotals, PrometheusCounters
@@ -81,6 +88,9 @@ def radix_chains(tree_cache) -> np.ndarray:
             stack.append((child, depth + n, int(slots[-1])))
     return np.concatenate(out) if out else np.zeros((0, 3), np.int64)
 
+
+#: the engine's tensor-parallel mesh axis (sglang-jax shards the fused KV buffer's heads over it)
+TP_AXIS = "tensor"
 
 #: elements of the ``cost_hint`` reduction: XLA:CPU runs a program it estimates at fewer than
 #: 1000 flops in the thread that dispatches it, and it cannot cost custom calls
@@ -166,7 +176,8 @@ class SglangJaxCanary:
       metrics: ``PrometheusCounters`` to keep up to date (None: no metrics).
       protected_tokens: returns the KV slots in use, for the stats line and the metrics.
 
-    Attributes: ``config``, ``state`` (the ``CanaryState``, donated by every step), ``monitor``
+    Attributes: ``config``, ``tp`` (devices of the ``tensor`` axis), ``state`` (the
+    ``CanaryState``, donated by every step; ``[tp, ...]`` blocks when ``tp > 1``), ``monitor``
     (``Monitor``: ``monitor.violations`` holds what was reported), ``steps``, ``sweeps``,
     ``layout`` (the runner adapter).
 
@@ -201,6 +212,7 @@ class SglangJaxCanary:
         self.logger = logger or LOGGER
         self.episodes = bool(episodes)
         self.num_slots = self.layout.geometry.num_slots
+        self.tp = int(dict(runner.mesh.shape).get(TP_AXIS, 1))   # tensor-parallel devices
         self._original = None                        # taken by install()
         self._check_fn = self._build_check()
         self._sweep_fn = self._build_sweep()
@@ -228,18 +240,23 @@ class SglangJaxCanary:
                                write_req_capacity=max(1, int(write_req_capacity)),
                                verify_capacity=max(1, int(verify_capacity)))
 
-    def _replicated(self):
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        return NamedSharding(self.runner.mesh, PartitionSpec())
+    def _state_sharding(self):
+        """Where the canary state lives: replicated over the runner's mesh, or with tensor
+        parallelism one block per device of the ``tensor`` axis (``runtime.multidevice``)."""
+        spec = PartitionSpec(TP_AXIS) if self.tp > 1 else PartitionSpec()
+        return NamedSharding(self.runner.mesh, spec)
 
     def reset(self) -> None:
         """Fresh canary state (zero records, empty ring) and a fresh monitor; e.g. after
         sglang-jax's warm-up, whose synthetic batches would otherwise leave records behind.
         """
-        # placed as the launches' outputs are (replicated over the runner's mesh, the sharding
-        # they declare), so that every step of a bucket runs the program compiled for it
-        self.state = jax.device_put(self._endpoints(1, 1).init_state(), self._replicated())
+        # placed as the launches' outputs are, so that every step of a bucket runs the program
+        # compiled for it
+        init = self._endpoints(1, 1).init_state()
+        if self.tp > 1:
+            init = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x)[None],
+                                                          (self.tp,) + x.shape).copy(), init)
+        self.state = jax.device_put(init, self._state_sharding())
         c = self.config
         # the stats line is the canary's own (``stats``); the monitor decodes the counters for it
         self.monitor = Monitor(c.mode, health_interval=c.health_interval,
@@ -291,7 +308,7 @@ class SglangJaxCanary:
                                                 cap.bit_length())):
                     plans = build_group_sweep_plans(np.zeros((0, 3), np.int64), ("FULL",),
                                                     min_capacity=c)
-                    self.state, _ = self._sweep_fn(self.layout.kv0(), self.state, plans)
+                    self.state, _ = self._sweep_fn(self.state, plans, self.layout.kv0())
             jax.block_until_ready(self.state)
         finally:
             self.warming = False
@@ -305,7 +322,7 @@ class SglangJaxCanary:
         layout = self.layout
         page_size, aligned, mesh = layout.page_size, layout.aligned_segments, self.runner.mesh
 
-        def check(cstate, arrays, kv0, decode):
+        def check(cstate, arrays, kv0, decode, mesh=mesh):
             ep = self._endpoints(arrays["seq_lens"].shape[0], arrays["cache_loc"].shape[0])
             batch = page_table_batch(arrays, decode=decode, page_size=page_size, aligned=aligned,
                                      mesh=mesh)
@@ -315,18 +332,47 @@ class SglangJaxCanary:
             cstate = ep.tail(cstate, ctx, {"FULL": sources})
             return cstate, counter_snapshot(cstate), hint
 
+        if self.tp > 1:
+            check = self._per_device(check, static=("decode",))
+            return jax.jit(check, donate_argnums=(0,), static_argnames=("decode",))
         return jax.jit(check, donate_argnums=(0,), static_argnames=("decode",),
-                       out_shardings=self._replicated())
+                       out_shardings=self._state_sharding())
+
+    def _per_device(self, fn, static=()):
+        """``fn(cstate, arrays, kv0, **static)`` under ``jax.shard_map`` over the runner's mesh:
+        each device of the ``tensor`` axis runs it on its own canary state (``[tp, ...]`` blocks)
+        and on its own shard of the KV (its heads: the real-KV fingerprints are of the device's
+        own heads, nothing is gathered across devices), with the batch arrays replicated; the
+        outputs get the device axis back."""
+        kv_spec = getattr(getattr(self.layout.kv0(), "sharding", None), "spec", PartitionSpec())
+
+        mesh = self.runner.mesh
+        everywhere = NamedSharding(mesh, PartitionSpec())
+
+        def run(cstate, arrays, kv0, **kw):
+            def body(cs, arr, kv):
+                out = fn(local_view(cs), arr, kv, mesh=None, **kw)
+                return global_view(out)
+
+            arrays = jax.tree.map(lambda x: jax.sharding.reshard(x, everywhere), arrays)
+            return jax.shard_map(body, mesh=mesh,
+                                 in_specs=(PartitionSpec(TP_AXIS), PartitionSpec(), kv_spec),
+                                 out_specs=PartitionSpec(TP_AXIS))(cstate, arrays, kv0)
+
+        return run
 
     def _build_sweep(self):
         mode = self.config.real_kv_hash_mode
         ep = self._endpoints(1, 1)
 
-        def sweep(kv0, cstate, plans):
+        def sweep(cstate, plans, kv0, mesh=None):
             sources = real_kv_sources(kv0, mode) if mode else {}
             return ep.sweep(cstate, plans, {"FULL": sources}), cost_hint(cstate)
 
-        return jax.jit(sweep, donate_argnums=(1,), out_shardings=self._replicated())
+        if self.tp > 1:
+            sweep = self._per_device(sweep)
+            return jax.jit(sweep, donate_argnums=(0,))
+        return jax.jit(sweep, donate_argnums=(0,), out_shardings=self._state_sharding())
 
     # -- sweeps ---------------------------------------------------------------------------------
     def request_sweep(self) -> int:
@@ -354,7 +400,7 @@ class SglangJaxCanary:
         with self._sweep_lock:
             plans, self._pending_sweep = self._pending_sweep, None
         if plans is not None:
-            self.state, _ = self._sweep_fn(kv0, self.state, plans)
+            self.state, _ = self._sweep_fn(self.state, plans, kv0)
             self.sweeps += 1
 
     def sweep_now(self) -> int:

@@ -9,7 +9,8 @@ own structures once, at the first batch from the ``N``-th on that has a target, 
   thread, before the batch's page table is built): attention reads them crosswise;
   ``verify_position`` + ``verify_chain_hash`` at HEAD.
 - ``slot_double_free``: a slot of a running request's cached prefix put back at the head of the
-  allocator's free list; the next allocation takes it while the prefix still uses it:
+  allocator's free list (its last free entry dropped, so that the free count sglang-jax checks
+  when idle stays balanced); the next allocation takes it while the prefix still uses it:
   ``verify_position`` + ``verify_chain_hash`` when the request reads its prefix again.
 - ``real_kv_used``: one byte of layer 0's K bytes of a slot a running request attends to flipped
   (forward thread, before the step): ``verify_real_kv_hash`` at TAIL.
@@ -136,13 +137,16 @@ class FaultInjector:
             for req, n in _running(batch):
                 if n >= 3:
                     slot = int(rtt[req.req_pool_idx, 0])
+                    # the last free entry is dropped so that the free count stays what
+                    # sglang-jax's own idle-time memory check expects (else it ends the server)
                     if getattr(alloc, "free_slots", None) is not None:
+                        free = alloc.free_slots[0]
                         alloc.free_slots[0] = np.concatenate(
-                            [np.array([slot], alloc.free_slots[0].dtype), alloc.free_slots[0]])
+                            [np.array([slot], free.dtype), free[:-1]])
                     else:
-                        page = slot // alloc.page_size
+                        free = alloc.free_pages[0]
                         alloc.free_pages[0] = np.concatenate(
-                            [np.array([page], alloc.free_pages[0].dtype), alloc.free_pages[0]])
+                            [np.array([slot // alloc.page_size], free.dtype), free[:-1]])
                     self._log(step, f"slot {slot} (position 0 of request {req.rid}, in the prefix "
                                     "cache) put back at the head of the free list")
                     return

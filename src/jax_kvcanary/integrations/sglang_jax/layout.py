@@ -115,15 +115,13 @@ def segment_starts(seq_lens, page_size: int, aligned: bool):
 
 def _replicated(mesh):
     """Inside the jit: an int32 copy of a batch array, replicated over ``mesh`` (sglang-jax shards
-    its batch arrays over the ``data`` axis; the canary's plan reads every row)."""
+    its batch arrays over the ``data`` axis; the canary's plan reads every row). ``mesh=None``:
+    inside ``shard_map``, where the arrays come in replicated already."""
     reshard = getattr(jax.sharding, "reshard", None)
+    if mesh is None or reshard is None:
+        return lambda x: x.astype(jnp.int32)
     spec = NamedSharding(mesh, PartitionSpec())
-
-    def get(x):
-        x = x.astype(jnp.int32)
-        return reshard(x, spec) if reshard is not None else x
-
-    return get
+    return lambda x: reshard(x.astype(jnp.int32), spec)
 
 
 def step_arrays(forward_batch) -> dict:
@@ -144,7 +142,7 @@ def page_table_batch(arrays: dict, *, decode: bool, page_size: int, aligned: boo
       decode: the step is a DECODE step (else EXTEND).
       page_size, aligned: how attention reads ``cache_loc`` (``segment_starts``).
       mesh: the engine's mesh (its batch arrays are sharded over ``data``; the plan reads them
-        replicated).
+        replicated); None inside ``shard_map`` (the arrays are passed in replicated).
 
     Batch row ``r`` is live when ``req_pool_indices[r] >= 0`` (padding rows have -1 and
     ``seq_len`` 0); EXTEND rows take ``extend_prefix_lens`` / ``extend_seq_lens``, DECODE rows a
@@ -190,9 +188,6 @@ class _Runner:
         if getattr(runner, "is_hybrid", False):
             raise ValueError("kv-canary: the sglang-jax integration does not support hybrid "
                              "sliding-window KV pools (SWA layers)")
-        if int(getattr(runner, "tp_size", 1)) != 1:
-            raise ValueError("kv-canary: the sglang-jax integration supports tp_size=1 only (the "
-                             f"fused KV buffer is sharded over heads with tp_size={runner.tp_size})")
         if int(getattr(runner, "dp_size", 1)) != 1:
             raise ValueError("kv-canary: the sglang-jax integration supports dp_size=1 only, got "
                              f"dp_size={runner.dp_size}")
@@ -267,6 +262,9 @@ class LegacyRunner(_Runner):
         super().__init__(runner)
         _need(callable(getattr(runner, "_set_kv_cache_after_forward", None)),
               "_set_kv_cache_after_forward")
+        if int(getattr(runner, "tp_size", 1)) != 1:
+            raise ValueError("kv-canary: tensor parallelism is supported on sglang-jax main only; "
+                             f"this 0.0.2 runner has tp_size={runner.tp_size}")
 
     @staticmethod
     def layers(outputs):

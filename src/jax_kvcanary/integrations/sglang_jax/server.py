@@ -50,9 +50,6 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
 
     off = "or run with --kv-canary none"
     a = server_args
-    if int(a.tp_size) != 1:
-        refuse(f"--tp-size {a.tp_size}", "the fused KV buffer is sharded over heads",
-               f"run with --tp-size 1, {off}")
     if int(a.dp_size) != 1:
         refuse(f"--dp-size {a.dp_size}", "the page table is split per data-parallel rank",
                f"run with --dp-size 1, {off}")
@@ -168,12 +165,22 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
             engine_precompile(scheduler)
         return None
     canary.idle.on_error = functools.partial(end_server, scheduler, logger)
-    canary.precompile(functools.partial(engine_precompile, scheduler) if precompile else None)
+    try:
+        canary.precompile(functools.partial(engine_precompile, scheduler) if precompile else None)
+    except Exception as e:                   # never take the server down at install
+        logger.exception("kv-canary: compiling the canary failed (%s: %s); this server runs "
+                         "WITHOUT the canary", type(e).__name__, e)
+        canary.uninstall()
+        if precompile:
+            engine_precompile(scheduler)
+        return None
     logger.info("kv-canary: installed (mode=%s, real data=%s, sweep interval=%d, %s runner, "
                 "%s attention, page size %d%s)%s", "abort" if guard.abort else config.mode,
                 config.real_kv_hash_mode.name.lower(),
                 config.sweep_interval, type(canary.layout).__name__, canary.layout.attention_backend,
-                canary.layout.page_size, ", metrics on /metrics" if metrics is not None else "",
+                canary.layout.page_size,
+                "".join([f", tensor parallel over {canary.tp} devices" if canary.tp > 1 else "",
+                         ", metrics on /metrics" if metrics is not None else ""]),
                 f"; fault to inject: {inject.kind} from step {inject.step}" if inject else "")
     return canary
 
