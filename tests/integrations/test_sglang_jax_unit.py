@@ -283,3 +283,16 @@ def test_prometheus_counters_add_what_changed_and_restart_after_a_reset():
     line = t.stats_line(80)
     assert line.startswith("kv_canary stats: step=15 protected_tokens=80 sweep_passes=2 "
                            "violations=5 HEAD_K_FULL=verified:160,written:40"), line
+
+
+def test_an_idle_report_that_fails_for_another_reason_does_not_end_the_server(caplog):
+    """Only a violation (mode raise) or a failed health check ends the server between steps."""
+    import logging
+
+    from jax_kvcanary.integrations.sglang_jax.server import end_server
+
+    logger = logging.getLogger("kvc-test-end-server")
+    with caplog.at_level(logging.ERROR, logger=logger.name):
+        end_server(None, logger, RuntimeError("Array has been deleted"))   # no os.kill reached
+    assert caplog.messages == ["kv-canary: the idle-time report failed (RuntimeError: Array has "
+                               "been deleted); serving goes on"]

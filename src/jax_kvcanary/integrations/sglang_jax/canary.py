@@ -228,7 +228,7 @@ class SglangJaxCanary:
         self.host_time = HostTime()                  # the canary's own time in each step
         self.metrics = metrics
         self.protected_tokens = protected_tokens or (lambda: -1)
-        self._monitor_lock = threading.Lock()          # the steps and the idle reporter
+        self._monitor_lock = threading.RLock()         # the steps and the idle reporter
         self.idle = IdleReporter(self._on_idle, logger=self.logger)
         self.state = None
         self.monitor = None
@@ -407,7 +407,8 @@ class SglangJaxCanary:
         """Collect and run a sweep at once on the engine's current layer-0 KV (between steps, in
         the scheduler's thread without the overlap schedule); returns the slots swept."""
         n = self.request_sweep()
-        self._run_pending_sweep(self.layout.kv0())
+        with self._monitor_lock:
+            self._run_pending_sweep(self.layout.kv0())
         return n
 
     # -- per step -------------------------------------------------------------------------------
@@ -424,22 +425,25 @@ class SglangJaxCanary:
         outputs = self._original(forward_batch, logits_metadata)
         t2 = time.perf_counter()
         kv0 = self.layout.layers(outputs)[0]            # layer 0's KV as the forward left it
-        self._run_pending_sweep(kv0)
-        self.state, snapshot, _ = self._check_fn(
-            self.state, step_arrays(forward_batch), kv0,
-            decode=bool(forward_batch.forward_mode.is_decode()))
-        if self.warming:
-            return outputs
-        try:
-            with self._monitor_lock:
+        # held from the launch (which donates the canary state) to the readback, so that the
+        # idle reporter never reads a state a launch has donated
+        with self._monitor_lock:
+            try:
+                self._run_pending_sweep(kv0)
+                self.state, snapshot, _ = self._check_fn(
+                    self.state, step_arrays(forward_batch), kv0,
+                    decode=bool(forward_batch.forward_mode.is_decode()))
+                if self.warming:
+                    return outputs
                 self._after_readback(self.monitor.step(self.state, snapshot=snapshot, wait=False))
-        except BaseException:
-            # mode 'raise' (or a health failure): the step has donated the KV pool already, so
-            # hand the engine its new buffers before raising, as its own forward would have
-            self.layout.store_kv(outputs, forward_batch)
-            raise
-        finally:
-            self.idle.touch()
+            except BaseException:
+                # mode 'raise' (or a health failure): the step has donated the KV pool already,
+                # so hand the engine its new buffers before raising, as its own forward would
+                self.layout.store_kv(outputs, forward_batch)
+                raise
+            finally:
+                if not self.warming:
+                    self.idle.touch()
         self.host_time.add(time.perf_counter() - t2 + t1 - t0)
         si = self.config.stats_interval
         if si and self.steps % si == 0:

@@ -25,6 +25,7 @@ import signal
 from typing import List, Optional
 
 from ...runtime.config import CanaryConfig
+from ...runtime.errors import CanaryHealthError, CanaryViolationError
 from .canary import LOGGER, install_into_scheduler
 from .abort import install_aborter
 from .inject import FaultInjector, InjectSpec
@@ -116,10 +117,15 @@ def engine_precompile(scheduler) -> None:
 
 
 def end_server(scheduler, logger, error: BaseException) -> None:
-    """What the canary does with an error it finds between steps (mode ``raise``: a violation of
-    the last step before the server went idle): log it, then end the server the way sglang-jax's
-    own threads do on a fatal error, with SIGQUIT to the process that launched the scheduler
-    (itself with ``--enable-single-process``), which ends the whole process tree."""
+    """What the canary does with an error it finds between steps: a violation in mode ``raise``
+    (of the last step before the server went idle) or a failed health check ends the server the
+    way sglang-jax's own threads do on a fatal error, with SIGQUIT to the process that launched
+    the scheduler (itself with ``--enable-single-process``), which ends the whole process tree;
+    any other error of the idle report is logged and the server serves on."""
+    if not isinstance(error, (CanaryViolationError, CanaryHealthError)):
+        logger.error("kv-canary: the idle-time report failed (%s: %s); serving goes on",
+                     type(error).__name__, error)
+        return
     logger.error("kv-canary: ending the server: %s", error)
     single = getattr(scheduler.server_args, "enable_single_process", False)
     os.kill(os.getpid() if single else os.getppid(), signal.SIGQUIT)
