@@ -296,3 +296,22 @@ def test_an_idle_report_that_fails_for_another_reason_does_not_end_the_server(ca
         end_server(None, logger, RuntimeError("Array has been deleted"))   # no os.kill reached
     assert caplog.messages == ["kv-canary: the idle-time report failed (RuntimeError: Array has "
                                "been deleted); serving goes on"]
+
+
+def test_idle_reporter_reports_soon_but_ends_episodes_only_after_a_real_pause():
+    """Slow steps (0.4 s apart, longer than ``idle_s``) get their readback decoded between them,
+    but once their interval is known the episodes are ended only after a pause of 4 intervals,
+    not between steps."""
+    import time
+
+    from jax_kvcanary.integrations.sglang_jax.canary import IdleReporter
+
+    calls = []
+    r = IdleReporter(calls.append, idle_s=0.1, close_s=0.3)
+    for _ in range(6):
+        r.touch()
+        time.sleep(0.4)
+    # after the first step the interval is unknown: that gap ends the episodes; then never again
+    assert calls.count(False) == 6 and calls.count(True) == 1, calls
+    time.sleep(2.4)
+    assert calls[-1] is True and calls.count(True) == 2, calls

@@ -204,16 +204,23 @@ class Monitor:
         """Readbacks started and not decoded yet."""
         return len(self._pending)
 
-    def flush(self) -> List[Violation]:
-        """Decode every pending readback now (at the end of serving). Blocks on the last step."""
+    def flush(self, close_episodes: bool = True) -> List[Violation]:
+        """Decode every pending readback now (at the end of serving, or while the server is idle).
+        Blocks on the last step. ``close_episodes``: also end the open episodes
+        (``close_episodes()``); False while serving may go on."""
         new: List[Violation] = []
         while self.mode != "none" and not self.stopped and self._pending:
             snap, step = self._pending.popleft()
             new += self._decode(snap, step, full=not self._pending)
+        if close_episodes:
+            self.close_episodes()
+        return new
+
+    def close_episodes(self) -> None:
+        """End the open episodes (``EpisodeLog``), logging each one's summary line."""
         if self.episodes is not None:
             for line in self.episodes.close():
                 self.logger.warning(line)
-        return new
 
     # -- internals ----------------------------------------------------------------------------------
     @staticmethod

@@ -107,39 +107,60 @@ def cost_hint(cstate):
 
 
 class IdleReporter:
-    """A daemon thread that calls ``report`` once the serving steps have stopped for ``idle_s``
-    seconds (``touch`` marks a step), so that what the last steps found is reported while the
-    server is idle instead of with the next request's steps. An exception ``report`` raises (a
-    ``CanaryViolationError`` in mode ``raise``) goes to ``on_error``, else it is logged."""
+    """A daemon thread that reports while the serving steps have stopped (``touch`` marks a step).
 
-    def __init__(self, report: Callable[[], None], *, idle_s: float = 0.25,
-                 on_error: Optional[Callable[[BaseException], None]] = None,
+    Two stages, so that what the last steps found is reported while the server is idle instead of
+    with the next request's steps, without cutting a fault's episode in pieces on a server whose
+    steps are slow: ``report(close=False)`` once no step came for ``idle_s`` seconds (decode the
+    pending readbacks), then ``report(close=True)`` once none came for ``close_s`` seconds and for
+    4 times the median of the last 8 intervals between steps (also end the open episodes). An
+    exception ``report`` raises (a ``CanaryViolationError`` in mode ``raise``) goes to
+    ``on_error``, else it is logged."""
+
+    def __init__(self, report: Callable[[bool], None], *, idle_s: float = 0.25,
+                 close_s: float = 1.0, on_error: Optional[Callable[[BaseException], None]] = None,
                  logger: Optional[logging.Logger] = None):
         self.report = report
         self.idle_s = float(idle_s)
+        self.close_s = float(close_s)
         self.on_error = on_error
         self.logger = logger or LOGGER
         self._last = time.monotonic()
-        self._reported = True
+        self._intervals = collections.deque(maxlen=8)
+        self._stage = 2                          # 0: steps ran; 1: reported; 2: closed
+        self._stepped = False
         threading.Thread(target=self._loop, name="kv-canary-idle", daemon=True).start()
 
     def touch(self) -> None:
-        self._last = time.monotonic()
-        self._reported = False
+        now = time.monotonic()
+        if self._stepped:
+            self._intervals.append(now - self._last)
+        self._stepped = True
+        self._last = now
+        self._stage = 0
 
     def _loop(self) -> None:
         while True:
             time.sleep(self.idle_s / 2)
-            if self._reported or time.monotonic() - self._last < self.idle_s:
-                continue
-            self._reported = True
-            try:
-                self.report()
-            except BaseException as e:
-                if self.on_error is not None:
-                    self.on_error(e)
-                else:
-                    self.logger.error("kv-canary: %s", e)
+            idle = time.monotonic() - self._last
+            if self._stage == 0 and idle >= self.idle_s:
+                self._run(1, close=False)
+            elif self._stage == 1 and idle >= max(self.close_s, 4 * self._typical_interval()):
+                self._run(2, close=True)
+
+    def _typical_interval(self) -> float:
+        """The median of the last 8 intervals between steps (0 before the second step)."""
+        return float(np.median(self._intervals)) if self._intervals else 0.0
+
+    def _run(self, stage: int, close: bool) -> None:
+        self._stage = stage
+        try:
+            self.report(close)
+        except BaseException as e:
+            if self.on_error is not None:
+                self.on_error(e)
+            else:
+                self.logger.error("kv-canary: %s", e)
 
 
 class HostTime:
@@ -462,12 +483,17 @@ class SglangJaxCanary:
             self._seen_counters = self.monitor.counters
             self.metrics.update(CanaryTotals.read(self), self.protected_tokens())
 
-    def _on_idle(self) -> None:
+    def _on_idle(self, close: bool) -> None:
         """No step for a while (``IdleReporter``): report what the last steps found now, rather
-        than with the next request's steps."""
+        than with the next request's steps; ``close``: the server has stayed idle, end the open
+        episodes too."""
         with self._monitor_lock:
-            if not self.warming and self.monitor is not None and self.monitor.pending:
-                self._after_readback(self.monitor.flush())
+            if self.warming or self.monitor is None:
+                return
+            if self.monitor.pending:
+                self._after_readback(self.monitor.flush(close_episodes=False))
+            if close:
+                self.monitor.close_episodes()
 
     def flush(self):
         """Report what the last step's readback holds (blocks on it); returns new violations."""
