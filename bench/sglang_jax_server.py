@@ -38,7 +38,7 @@ from tests.support.sglang_server import Server
 from tests.support.tiny_qwen2 import VOCAB_SIZE, write_tiny_qwen2
 
 DECODE_RE = re.compile(r"Decode batch\. #running-req: (\d+),.*?gen throughput \(token/s\): ([\d.]+)")
-HOST_RE = re.compile(r"kv-canary: canary time per step over the last (\d+) steps: median ([\d.]+) us, "
+HOST_RE = re.compile(r"; canary time per step over the last (\d+) steps: median ([\d.]+) us, "
                      r"p90 ([\d.]+) us, mean ([\d.]+) us")
 TARGET_RATIO = 0.95
 TARGET_HOST_US = 100.0

@@ -37,6 +37,8 @@ PREFIX_HIT = PROMPTS[0] + " and why did the server answer wrong"
 LONG = " ".join(["a canary record per slot holds the token, its position and a hash"] * 10)
 CHUNK = 64
 ABORT_TOKENS = 24
+#: the write-input assert and the token check (the scheduler's intended tokens, on the device)
+TOKEN_FLAGS = ("--kv-canary-write-input-assert", "--kv-canary-token-check")
 
 
 @pytest.fixture(scope="module")
@@ -104,18 +106,23 @@ def reference(model_dir, tmp_path_factory):
 
 
 def test_overlap_scheduler_same_text_no_violation(model_dir, tmp_path, reference):
-    """The overlap scheduler (sglang-jax's default), one request at a time. (Concurrent requests
-    under it: ``test_overlap_scheduler_page_table_race_is_reported``.)"""
-    with server(model_dir, tmp_path, "--kv-canary", "log", "--kv-canary-sweep-interval", "4") as srv:
+    """The overlap scheduler (sglang-jax's default), one request at a time, with the write-input
+    assert and the token check. (Concurrent requests under it:
+    ``test_overlap_scheduler_page_table_race_is_reported``.)"""
+    with server(model_dir, tmp_path, "--kv-canary", "log", "--kv-canary-sweep-interval", "4",
+                *TOKEN_FLAGS) as srv:
         outs, metas = sequential(srv, pause=0.5)
         assert_clean(srv, outs, metas, reference["sequential"])
         assert "disable_overlap_schedule=False" in srv.log()
+        assert ", write-input assert, token check" in srv.log()
 
 
 def test_non_overlap_single_process_aot_dispatch_same_text(model_dir, tmp_path, reference):
     """The non-overlap scheduler in the launcher's own process, sglang-jax's AOT dispatcher
-    (``SGLANG_JAX_AOT_DISPATCH=1``, which the wrapped call goes through), real-data ``all``."""
+    (``SGLANG_JAX_AOT_DISPATCH=1``, which the wrapped model call and sampler go through),
+    real-data ``all``, the write-input assert and the token check."""
     with server(model_dir, tmp_path, "--kv-canary", "log", "--kv-canary-real-data", "all",
+                *TOKEN_FLAGS,
                 "--disable-overlap-schedule", "--enable-single-process",
                 env={"SGLANG_JAX_AOT_DISPATCH": "1"}) as srv:
         outs, metas = sequential(srv)
@@ -170,7 +177,7 @@ def test_tensor_parallel_same_text_no_violation(model_dir, tmp_path, reference, 
     device checks its own heads with a canary state of its own)."""
     par = tensor_parallel(tp)
     with server(model_dir, tmp_path, "--kv-canary", "log", "--kv-canary-sweep-interval", "4",
-                *par["args"], env=par["env"]) as srv:
+                *TOKEN_FLAGS, *par["args"], env=par["env"]) as srv:
         outs, metas = sequential(srv, pause=0.5)
         assert_clean(srv, outs, metas, reference["sequential"])
         assert f"tensor parallel over {tp} devices" in srv.log()
@@ -200,6 +207,42 @@ def test_injected_fault_is_reported_within_two_steps(model_dir, tmp_path, kind, 
         seen = [(t, why, slot) for t, why, slot, _ in reports]
         assert len(seen) == len(set(seen)), seen
         assert srv.wait_for_log(r"kv_canary episode \d+ ended: launch_tag=\S+ ", timeout=10.0)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_request_fed_another_request_s_token_is_a_write_token_violation(model_dir, tmp_path,
+                                                                          tp):
+    """``future_token_ring_wrap`` (the effect of sglang-jax #1487: a DECODE step's input token is
+    another request's) under the overlap scheduler: the KV records alone cannot see it, the
+    write-input assert reports the entry the step wrote with it (the token it consumed, the one
+    sampled for that request)."""
+    par = tensor_parallel(tp)
+    with server(model_dir, tmp_path, "--kv-canary", "log", *TOKEN_FLAGS,
+                "--kv-canary-inject", "future_token_ring_wrap", "--kv-canary-inject-step", "4",
+                *par["args"], env=par["env"]) as srv:
+        batched(srv)                                     # two requests decode in one batch
+        srv.generate(PROMPTS[3], 2)                      # more steps: the readback
+        injected = srv.injected()
+        assert injected is not None and injected[0] == "future_token_ring_wrap", srv.log_tail()
+        slot, fed, was = re.search(r"injected future_token_ring_wrap at step \d+: .*written to "
+                                   r"slot (\d+)\) set to (\d+), .*it was (\d+)",
+                                   srv.log()).groups()
+        # once idle, each episode is summed up (even one whose first report the rate limit held
+        # back: a batch of two under the overlap scheduler may have reported the page-table race
+        # the README describes just before): the entry the step wrote with the wrong token
+        for tag in ("HEAD_K_FULL", "TAIL_K_FULL"):
+            ended = srv.wait_for_log(rf"kv_canary episode \d+ ended: launch_tag={tag} "
+                                     rf"fail_reason=write_token\S* slots={slot} .*", timeout=10.0)
+            assert ended, srv.log_tail()
+        first = re.search(rf"kv_canary episode \d+ ended: launch_tag=HEAD_K_FULL "
+                          rf"fail_reason=write_token\S* slots={slot} rows=\d+ steps=(\d+)",
+                          srv.log())
+        assert int(first.group(1)) <= injected[1] + 2, (injected, first.group(0))  # readback lag
+        full = re.search(rf"fail_reason=write_token\S* slot_idx={slot} position=\d+ "
+                         rf"stored_token=(\d+) expected_token=(\d+) ", srv.log())
+        if full:                               # the token it consumed, the one sampled for it
+            assert full.groups() == (fed, was), full.group(0)
+        assert "disable_overlap_schedule=False" in srv.log()
 
 
 def test_a_violation_of_the_last_step_before_idle_is_reported_within_a_second(model_dir,

@@ -35,6 +35,11 @@ def test_flags_parse_into_config():
                        "--kv-canary-sweep-interval", "16"])
     cfg = kvc_sgl.config_from_args(ns)
     assert (cfg.mode, cfg.real_kv_hash_mode, cfg.sweep_interval) == ("raise", RealKvHashMode.ALL, 16)
+    assert not (cfg.write_input_assert or cfg.token_check)
+    cfg = kvc_sgl.config_from_args(p.parse_args(["--kv-canary", "log",
+                                                 "--kv-canary-write-input-assert",
+                                                 "--kv-canary-token-check"]))
+    assert cfg.write_input_assert and cfg.token_check
     with pytest.raises(SystemExit):
         p.parse_args(["--kv-canary", "warn"])
     with pytest.raises(ValueError, match="^kv-canary: CanaryConfig.sweep_interval must be >= 0"):
@@ -181,6 +186,13 @@ def test_refusals_name_the_setting_and_the_fix():
         "kv-canary: --kv-canary-sweep-interval 4 with --disable-radix-cache")
     got = refusals(server_args(), log, InjectSpec("real_kv_unused_cache"))
     assert got and "add --kv-canary-sweep-interval" in got[0]
+    got = refusals(server_args(), log, InjectSpec("future_token_ring_wrap"))
+    assert got and "add --kv-canary-write-input-assert" in got[0]
+    tokens = CanaryConfig(mode="log", token_check=True)
+    assert refusals(server_args(enable_mixed_chunk=True), log) == []
+    assert refusals(server_args(enable_mixed_chunk=True), tokens)[0].startswith(
+        "kv-canary: --kv-canary-write-input-assert / --kv-canary-token-check with "
+        "--enable-mixed-chunk is not supported")
 
 
 def test_launcher_rejects_bad_canary_flags_before_importing_sglang_jax():
@@ -315,3 +327,17 @@ def test_idle_reporter_reports_soon_but_ends_episodes_only_after_a_real_pause():
     assert calls.count(False) == 6 and calls.count(True) == 1, calls
     time.sleep(2.4)
     assert calls[-1] is True and calls.count(True) == 2, calls
+
+
+def test_idle_reporter_retries_a_stage_its_report_could_not_do_without_waiting():
+    """``report`` returns False while the last step still runs on the device: the stage is tried
+    again, not skipped."""
+    import time
+
+    from jax_kvcanary.integrations.sglang_jax.canary import IdleReporter
+
+    calls, answers = [], [False, False, True, True]
+    r = IdleReporter(lambda close: calls.append(close) or answers.pop(0), idle_s=0.1, close_s=0.3)
+    r.touch()
+    time.sleep(1.0)
+    assert calls == [False, False, False, True], calls

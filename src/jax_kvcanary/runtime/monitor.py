@@ -204,6 +204,11 @@ class Monitor:
         """Readbacks started and not decoded yet."""
         return len(self._pending)
 
+    @property
+    def ready(self) -> bool:
+        """Whether the steps of every pending readback have finished (``flush`` would not wait)."""
+        return all(_is_ready(snap) for snap, _ in self._pending)
+
     def flush(self, close_episodes: bool = True) -> List[Violation]:
         """Decode every pending readback now (at the end of serving, or while the server is idle).
         Blocks on the last step. ``close_episodes``: also end the open episodes

@@ -15,13 +15,15 @@ or install it where your code builds sglang-jax's scheduler or model runner::
 Supported: sglang-jax 0.0.2 and its main branch (``layout``: the runner's layout decides, not a
 version string), the overlap scheduler and the non-overlap one, page sizes 1 and above, the native
 and fa attention backends, ``--enable-single-process``, the AOT dispatcher, tensor parallelism
-(main: one canary state per device of the ``tensor`` axis, each checking its own KV heads).
+(main: one canary state per device of the ``tensor`` axis, each checking its own KV heads), the
+write-input assert and the token check (main: ``tokens``).
 Refused before start (``server.refusals``): data parallelism, speculative decoding, LoRA,
 multimodal, PD disaggregation, HiCache, MLA and hybrid (SWA, recurrent) KV pools.
 
 Modules: ``canary`` (``SglangJaxCanary``: the wrapped model call and its checks), ``layout`` (the
 engine's arrays as the canary addresses them), ``server`` (refusals, the guarded scheduler),
-``launch_server`` (the command), ``abort`` (mode ``abort``: the named requests aborted, the named
+``launch_server`` (the command), ``tokens`` (the intended tokens the write-input assert and the
+token check read), ``abort`` (mode ``abort``: the named requests aborted, the named
 slots evicted), ``metrics`` (the stats line, Prometheus counters), ``inject`` (faults for
 testing), ``flags`` (the upstream flags).
 Importing this package does not import sglang-jax.

@@ -26,6 +26,10 @@ the same records with one dispatch per step instead of two.)
 under ``jax.shard_map`` (``_per_device``), each device on its own state and its own KV heads, so
 no KV is gathered across devices; the monitor labels each row with its device.
 
+**Intended tokens** (``config.write_input_assert`` / ``config.token_check``, sglang-jax main):
+the runner's ``jitted_sampler`` is wrapped too, and the launch reads the ``tokens.TokenMirror``
+that it and the scheduler hook fill (see ``tokens``).
+
 **Sweeps** of the prefix cache (``config.sweep_interval``) are collected on the host where the
 scheduler's radix tree is consistent (``request_sweep``, called by the scheduler hook of
 ``install_into_scheduler`` before it launches a batch, or by the wrapper itself when there is no
@@ -60,10 +64,30 @@ from ...runtime.episodes import EpisodeLog
 from ...runtime.monitor import Monitor, counter_snapshot
 from ...runtime.multidevice import global_view, local_view
 from ...runtime.sweep import DEFAULT_MIN_CAPACITY, bucket_capacity, build_group_sweep_plans
-from .layout import page_table_batch, real_kv_sources, runner_layout, step_arrays
+from .layout import LegacyRunner, page_table_batch, real_kv_sources, runner_layout, step_arrays
 from .metrics import COUNTERS_INTERVAL, CanaryTotals, PrometheusCounters
+from .tokens import TokenMirror
 
 LOGGER = logging.getLogger("jax_kvcanary")
+
+
+def batch_requests(batch) -> list:
+    """The requests of an sglang-jax ``ScheduleBatch``, in batch order (main keeps them per
+    data-parallel rank in ``reqs_info``, 0.0.2 in ``reqs``)."""
+    return [req for info in getattr(batch, "reqs_info", None) or [batch]
+            for req in getattr(info, "reqs", None) or []]
+
+
+def intended_tokens(runner, layout, config: CanaryConfig) -> Optional[TokenMirror]:
+    """The ``TokenMirror`` the write-input assert and the token check read (None when both are
+    off); they need sglang-jax main (its sampler and its batch ids)."""
+    if not (config.write_input_assert or config.token_check):
+        return None
+    if isinstance(layout, LegacyRunner) or not callable(getattr(runner, "jitted_sampler", None)):
+        raise ValueError("kv-canary: the write-input assert and the token check need sglang-jax "
+                         "main (its jitted_sampler and batch ids); this is a 0.0.2 model runner")
+    rows, cols = np.shape(runner.req_to_token_pool.req_to_token)
+    return TokenMirror(rows, cols, runner.mesh)
 
 
 def radix_chains(tree_cache) -> np.ndarray:
@@ -113,11 +137,13 @@ class IdleReporter:
     with the next request's steps, without cutting a fault's episode in pieces on a server whose
     steps are slow: ``report(close=False)`` once no step came for ``idle_s`` seconds (decode the
     pending readbacks), then ``report(close=True)`` once none came for ``close_s`` seconds and for
-    4 times the median of the last 8 intervals between steps (also end the open episodes). An
-    exception ``report`` raises (a ``CanaryViolationError`` in mode ``raise``) goes to
-    ``on_error``, else it is logged."""
+    4 times the median of the last 8 intervals between steps (also end the open episodes).
+    ``report`` returns False when it cannot report without waiting (a long step is still
+    running on the device: the server is not idle); that stage is then tried again. An exception
+    ``report`` raises (a ``CanaryViolationError`` in mode ``raise``) goes to ``on_error``, else
+    it is logged."""
 
-    def __init__(self, report: Callable[[bool], None], *, idle_s: float = 0.25,
+    def __init__(self, report: Callable[[bool], Optional[bool]], *, idle_s: float = 0.25,
                  close_s: float = 1.0, on_error: Optional[Callable[[BaseException], None]] = None,
                  logger: Optional[logging.Logger] = None):
         self.report = report
@@ -155,7 +181,8 @@ class IdleReporter:
     def _run(self, stage: int, close: bool) -> None:
         self._stage = stage
         try:
-            self.report(close)
+            if self.report(close) is False and self._stage == stage:
+                self._stage = stage - 1                  # not done: try this stage again
         except BaseException as e:
             if self.on_error is not None:
                 self.on_error(e)
@@ -216,9 +243,6 @@ class SglangJaxCanary:
             raise ValueError("kv-canary: mode 'none' installs nothing (do not call install)")
         if tuple(config.groups) != ("FULL",):
             raise ValueError("kv-canary: the sglang-jax integration watches the FULL group only")
-        if config.token_check or config.write_input_assert:
-            raise ValueError("kv-canary: token_check and write_input_assert need oracle inputs the "
-                             "sglang-jax integration does not have")
         if config.sweep_interval and tree_cache is None:
             raise ValueError("kv-canary: sweep_interval > 0 needs the scheduler's tree_cache "
                              "(install(..., tree_cache=scheduler.tree_cache))")
@@ -228,6 +252,7 @@ class SglangJaxCanary:
                              "sweep_interval=0")
         self.layout = runner_layout(runner)
         self.runner = runner
+        self.tokens = intended_tokens(runner, self.layout, config)
         self.config = config
         self.tree_cache = tree_cache
         self.logger = logger or LOGGER
@@ -235,6 +260,9 @@ class SglangJaxCanary:
         self.num_slots = self.layout.geometry.num_slots
         self.tp = int(dict(runner.mesh.shape).get(TP_AXIS, 1))   # tensor-parallel devices
         self._original = None                        # taken by install()
+        self._original_sampler = None
+        self._step_rows = None                       # the last step's (req_pool_indices, seq_lens)
+        self._launch_tokens = None                   # host tokens of the batch being launched
         self._check_fn = self._build_check()
         self._sweep_fn = self._build_sweep()
         self._pending_sweep = None                   # plans collected on the host, run by a step
@@ -290,6 +318,8 @@ class SglangJaxCanary:
         self.host_time = HostTime()
         with self._sweep_lock:
             self._pending_sweep = None
+        if self.tokens is not None:
+            self.tokens.reset()
 
     def install(self) -> "SglangJaxCanary":
         """Wrap the runner's ``jitted_run_model`` (again after the engine re-ran
@@ -297,12 +327,17 @@ class SglangJaxCanary:
         if not self.installed:
             self._original = self.runner.jitted_run_model
             self.runner.jitted_run_model = self._run_model
+            if self.tokens is not None:
+                self._original_sampler = self.runner.jitted_sampler
+                self.runner.jitted_sampler = self._sample
         return self
 
     def uninstall(self) -> None:
         """Put the runner's original ``jitted_run_model`` back."""
         if self.installed:
             self.runner.jitted_run_model = self._original
+            if self._original_sampler is not None:
+                self.runner.jitted_sampler = self._original_sampler
 
     @property
     def installed(self) -> bool:
@@ -330,6 +365,8 @@ class SglangJaxCanary:
                     plans = build_group_sweep_plans(np.zeros((0, 3), np.int64), ("FULL",),
                                                     min_capacity=c)
                     self.state, _ = self._sweep_fn(self.state, plans, self.layout.kv0())
+            if self.tokens is not None:
+                self.tokens.precompile()
             jax.block_until_ready(self.state)
         finally:
             self.warming = False
@@ -409,13 +446,23 @@ class SglangJaxCanary:
     def before_launch(self, batch) -> None:
         """The scheduler hook (``install_into_scheduler``): called with each ``ScheduleBatch``
         before it is launched; requests a sweep every ``sweep_interval`` launches and runs the
-        ``launch_hooks``."""
+        ``launch_hooks``; with the write-input assert or the token check, collects an EXTEND
+        batch's intended tokens (``tokens.TokenMirror.host_tokens``) for ``before_forward``."""
         self.launches += 1
+        if self.tokens is not None and batch.forward_mode.is_extend():
+            self._launch_tokens = self.tokens.host_tokens(batch_requests(batch))
         si = self.config.sweep_interval
         if si and self.launches % si == 0:
             self.request_sweep()
         for hook in self.launch_hooks:
             hook(batch)
+
+    def before_forward(self, model_worker_batch) -> None:
+        """The tp worker hook (``install_into_scheduler``), in the scheduler's thread: the batch
+        being launched has got its batch id; the step with that id applies its host tokens."""
+        chunks, self._launch_tokens = self._launch_tokens, None
+        if chunks is not None:
+            self.tokens.expect(model_worker_batch.bid, chunks)
 
     def _run_pending_sweep(self, kv0) -> None:
         with self._sweep_lock:
@@ -451,9 +498,13 @@ class SglangJaxCanary:
         with self._monitor_lock:
             try:
                 self._run_pending_sweep(kv0)
+                arrays = step_arrays(forward_batch)
+                if self.tokens is not None:
+                    self.tokens.before_step(getattr(forward_batch, "bid", None))
+                    arrays["token_pool"] = self.tokens.pool
+                    self._step_rows = (forward_batch.req_pool_indices, forward_batch.seq_lens)
                 self.state, snapshot, _ = self._check_fn(
-                    self.state, step_arrays(forward_batch), kv0,
-                    decode=bool(forward_batch.forward_mode.is_decode()))
+                    self.state, arrays, kv0, decode=bool(forward_batch.forward_mode.is_decode()))
                 if self.warming:
                     return outputs
                 self._after_readback(self.monitor.step(self.state, snapshot=snapshot, wait=False))
@@ -473,6 +524,15 @@ class SglangJaxCanary:
                              len(self.host_time.recent), self.host_time.summary())
         return outputs
 
+    def _sample(self, *args, **kwargs):
+        """The engine's sampler, then its tokens stored as the requests' next inputs (the
+        write-input assert and the token check: ``tokens.TokenMirror.after_sample``)."""
+        out = self._original_sampler(*args, **kwargs)
+        rows, self._step_rows = self._step_rows, None
+        if rows is not None:
+            self.tokens.after_sample(*rows, out[0])
+        return out
+
     def _after_readback(self, new) -> None:
         """After a readback (the monitor's lock held): hand its new violations to the
         ``violation_hooks``, and bring the metrics up to date if the counters were read."""
@@ -483,17 +543,22 @@ class SglangJaxCanary:
             self._seen_counters = self.monitor.counters
             self.metrics.update(CanaryTotals.read(self), self.protected_tokens())
 
-    def _on_idle(self, close: bool) -> None:
+    def _on_idle(self, close: bool) -> bool:
         """No step for a while (``IdleReporter``): report what the last steps found now, rather
         than with the next request's steps; ``close``: the server has stayed idle, end the open
-        episodes too."""
+        episodes too. Returns False, doing nothing, while the last step still runs on the device
+        (a long prefill is not an idle server, and waiting on it here, holding the lock, would
+        stall the next step's launch)."""
         with self._monitor_lock:
             if self.warming or self.monitor is None:
-                return
+                return True
+            if not self.monitor.ready:
+                return False
             if self.monitor.pending:
                 self._after_readback(self.monitor.flush(close_episodes=False))
             if close:
                 self.monitor.close_episodes()
+            return True
 
     def flush(self):
         """Report what the last step's readback holds (blocks on it); returns new violations."""
@@ -551,4 +616,13 @@ def install_into_scheduler(scheduler, config: CanaryConfig, **kw) -> Optional[Sg
         return run_batch(batch, *args, **kwargs)
 
     scheduler.run_batch = run_batch_with_canary
+    if canary.tokens is not None:
+        worker = scheduler.tp_worker
+        forward_batch_generation = worker.forward_batch_generation
+
+        def forward_batch_generation_with_canary(model_worker_batch, *args, **kwargs):
+            canary.before_forward(model_worker_batch)
+            return forward_batch_generation(model_worker_batch, *args, **kwargs)
+
+        worker.forward_batch_generation = forward_batch_generation_with_canary
     return canary

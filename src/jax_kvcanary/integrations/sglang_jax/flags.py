@@ -11,8 +11,9 @@ REAL_DATA_CHOICES = ("none", "partial", "all")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the upstream flags ``--kv-canary none|log|raise``, ``--kv-canary-real-data
-    none|partial|all`` and ``--kv-canary-sweep-interval N`` to ``parser`` (returned)."""
+    """Add the flags ``--kv-canary none|log|abort|raise``, ``--kv-canary-real-data
+    none|partial|all``, ``--kv-canary-sweep-interval N``, ``--kv-canary-stats-interval N``,
+    ``--kv-canary-write-input-assert`` and ``--kv-canary-token-check`` to ``parser`` (returned)."""
     g = parser.add_argument_group("kv-canary")
     g.add_argument("--kv-canary", choices=MODES, default="none",
                    help="KV-cache canary: none (off: the stock server); log each violation and "
@@ -27,6 +28,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--kv-canary-stats-interval", type=int, default=0, metavar="N",
                    help="log the canary's counters and its host work per step every N steps "
                         "(0 = never)")
+    g.add_argument("--kv-canary-write-input-assert", action="store_true",
+                   help="check that every KV entry is written with the token and position the "
+                        "scheduler intends for its request (the prompt, then the token sampled "
+                        "for it in its previous step): write_token / write_position")
+    g.add_argument("--kv-canary-token-check", action="store_true",
+                   help="also check every verified slot's stored token against the request's "
+                        "token at that position: verify_token")
     return parser
 
 
@@ -46,4 +54,6 @@ def config_from_args(ns: argparse.Namespace, **overrides) -> CanaryConfig:
     mode = "log" if aborts(ns) else getattr(ns, "kv_canary", "none")
     return CanaryConfig(mode=mode, real_kv_hash_mode=real.upper(),
                         sweep_interval=getattr(ns, "kv_canary_sweep_interval", 0),
-                        stats_interval=getattr(ns, "kv_canary_stats_interval", 0), **overrides)
+                        stats_interval=getattr(ns, "kv_canary_stats_interval", 0),
+                        write_input_assert=bool(getattr(ns, "kv_canary_write_input_assert", False)),
+                        token_check=bool(getattr(ns, "kv_canary_token_check", False)), **overrides)

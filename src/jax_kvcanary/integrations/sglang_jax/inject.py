@@ -20,6 +20,12 @@ own structures once, at the first batch from the ``N``-th on that has a target, 
   ``write_position`` at HEAD and TAIL.
 - ``cache_loc_off_by_one``: one entry of the step's page table (``forward_batch.cache_loc``) points
   at the next slot: attention reads the wrong slot; ``verify_position`` at HEAD and TAIL.
+- ``future_token_ring_wrap``: in a DECODE step of two or more requests, batch row 0's input
+  token replaced by another row's (a different token): a request's next input token taken from
+  another request's, the effect of sglang-jax's future-token ring wrapping around (its #1487).
+  The KV records alone cannot see it (the token the forward consumed is the one written); the
+  write-input assert does: ``write_token`` at HEAD and TAIL (needs
+  ``--kv-canary-write-input-assert``).
 
 Scheduler-side kinds run in the scheduler's thread before a batch is launched (step = the batch's
 launch count); forward-side kinds run where the forward runs, right before the step (step = the
@@ -38,8 +44,11 @@ import numpy as np
 from .canary import LOGGER, radix_chains
 
 SCHEDULER_KINDS = ("req_to_token_swap", "slot_double_free", "real_kv_unused_cache")
-FORWARD_KINDS = ("real_kv_used", "wrong_position", "cache_loc_off_by_one")
+FORWARD_KINDS = ("real_kv_used", "wrong_position", "cache_loc_off_by_one",
+                 "future_token_ring_wrap")
 KINDS = SCHEDULER_KINDS + FORWARD_KINDS
+#: kinds found by the write-input assert only
+TOKEN_KINDS = ("future_token_ring_wrap",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +113,9 @@ class FaultInjector:
         if spec.kind == "real_kv_unused_cache" and not canary.config.sweep_interval:
             raise ValueError("kv-canary: --kv-canary-inject real_kv_unused_cache needs "
                              "--kv-canary-sweep-interval N > 0 (the fault is found by a sweep)")
+        if spec.kind in TOKEN_KINDS and not canary.config.write_input_assert:
+            raise ValueError(f"kv-canary: --kv-canary-inject {spec.kind} needs "
+                             "--kv-canary-write-input-assert (the fault is found by it)")
         self.spec = spec
         self.canary = canary
         self.scheduler = scheduler
@@ -198,3 +210,18 @@ class FaultInjector:
             fb.cache_loc = _replace(fb.cache_loc, loc)
             self._log(step, f"cache_loc entry of batch row 0, position 1 set to slot {loc[1]} "
                             f"(was {loc[1] - 1})")
+        elif self.spec.kind == "future_token_ring_wrap":
+            if not fb.forward_mode.is_decode():
+                return
+            ids = np.array(fb.input_ids)
+            rows = np.asarray(fb.req_pool_indices)
+            other = [j for j in range(1, min(len(ids), len(rows), len(seq)))
+                     if rows[j] >= 0 and seq[j] > 0 and ids[j] != ids[0]]
+            if not other:
+                return                                    # no other request's token differs
+            was, ids[0] = ids[0], ids[other[0]]
+            fb.input_ids = _replace(fb.input_ids, ids)
+            slot = int(np.asarray(fb.out_cache_loc)[0])
+            self._log(step, f"input token of batch row 0 (pool row {rows[0]}, written to slot "
+                            f"{slot}) set to {ids[0]}, the token of batch row {other[0]} (pool "
+                            f"row {rows[other[0]]}); it was {was}")

@@ -28,7 +28,7 @@ from ...runtime.config import CanaryConfig
 from ...runtime.errors import CanaryHealthError, CanaryViolationError
 from .canary import LOGGER, install_into_scheduler
 from .abort import install_aborter
-from .inject import FaultInjector, InjectSpec
+from .inject import TOKEN_KINDS, FaultInjector, InjectSpec
 from .layout import ATTENTION_BACKENDS
 from .metrics import PrometheusCounters, protected_tokens
 
@@ -82,6 +82,15 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
         refuse(f"--kv-canary-sweep-interval {config.sweep_interval} with "
                "--enable-unified-radix-tree", "sweeps walk the plain radix cache",
                "use --kv-canary-sweep-interval 0")
+    checks_tokens = config.write_input_assert or config.token_check
+    if checks_tokens and getattr(a, "enable_mixed_chunk", False):
+        refuse("--kv-canary-write-input-assert / --kv-canary-token-check with --enable-mixed-chunk",
+               "a mixed batch's decode tokens are not in its requests' host state",
+               "drop --enable-mixed-chunk")
+    if inject is not None and inject.kind in TOKEN_KINDS and not config.write_input_assert:
+        refuse(f"--kv-canary-inject {inject.kind} without --kv-canary-write-input-assert",
+               "that fault is found by the write-input assert",
+               "add --kv-canary-write-input-assert")
     if inject is not None and inject.kind == "real_kv_unused_cache" and not config.sweep_interval:
         refuse("--kv-canary-inject real_kv_unused_cache without sweeps",
                "that fault is found by a sweep", "add --kv-canary-sweep-interval N")
@@ -186,6 +195,8 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
                 config.sweep_interval, type(canary.layout).__name__, canary.layout.attention_backend,
                 canary.layout.page_size,
                 "".join([f", tensor parallel over {canary.tp} devices" if canary.tp > 1 else "",
+                         ", write-input assert" if config.write_input_assert else "",
+                         ", token check" if config.token_check else "",
                          ", metrics on /metrics" if metrics is not None else ""]),
                 f"; fault to inject: {inject.kind} from step {inject.step}" if inject else "")
     return canary
