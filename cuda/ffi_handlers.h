@@ -26,11 +26,16 @@
 //
 // Buffers whose dtype is fixed by the format (canary, log, plan scalars, plan outputs, scratch) are
 // typed; index arrays are int32 or int64 (AnyBuffer, widened on read) and real-KV sources any dtype.
-// No handler returns an error for anything Python could have checked (docs/design.md): the wrappers
-// check every argument at trace time, so the only errors left are platform failures.
+// The Python wrappers check every argument at trace time; the targets are registered for the whole
+// process, though, so exported HLO or a direct jax.ffi.ffi_call reaches a handler without them. Each
+// handler therefore first runs its op's check function (check_verify, check_write, check_plan,
+// check_scatter), which returns InvalidArgument with a "kv-canary: <target>: ..." message naming the
+// argument, the expected and the actual value, before any buffer is touched. Data (slot indices,
+// lengths inside the arrays) never fails: it is bounded by the core (docs/format.md).
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <utility>
 
 #include "canary_core.h"
@@ -101,6 +106,94 @@ inline RealKvSources real_kv_sources(const ffi::RemainingArgs& srcs, int32_t mod
   return out;
 }
 
+// ---- argument checks --------------------------------------------------------------------------------
+inline std::string num(int64_t v) { return std::to_string(v); }
+
+inline ffi::Error invalid(const char* op, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string("kv-canary: ") + op + ": " + what);
+}
+
+// An index array: int32 or int64, 1-D, `len` long (any length when len < 0).
+inline ffi::Error check_index(const char* op, const char* name, const ffi::AnyBuffer& b, int64_t len) {
+  const ffi::DataType t = b.element_type();
+  if (t != ffi::DataType::S32 && t != ffi::DataType::S64)
+    return invalid(op, std::string(name) + " must have dtype int32 or int64, got type code " +
+                           num(static_cast<int64_t>(t)));
+  if (b.dimensions().size() != 1)
+    return invalid(op, std::string(name) + " must be 1-D, got rank " + num(b.dimensions().size()));
+  if (len >= 0 && b.dimensions()[0] != len)
+    return invalid(op, std::string(name) + " length must be " + num(len) + ", got " + num(b.dimensions()[0]));
+  return ffi::Error::Success();
+}
+
+// An index matrix: int32 or int64, 2-D.
+inline ffi::Error check_index_matrix(const char* op, const char* name, const ffi::AnyBuffer& b) {
+  const ffi::DataType t = b.element_type();
+  if (t != ffi::DataType::S32 && t != ffi::DataType::S64)
+    return invalid(op, std::string(name) + " must have dtype int32 or int64, got type code " +
+                           num(static_cast<int64_t>(t)));
+  if (b.dimensions().size() != 2)
+    return invalid(op, std::string(name) + " must be 2-D, got rank " + num(b.dimensions().size()));
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType T, size_t R>
+ffi::Error check_count(const char* op, const char* name, const ffi::Buffer<T, R>& b, int64_t n) {
+  if (static_cast<int64_t>(b.element_count()) != n)
+    return invalid(op, std::string(name) + " must hold " + num(n) + " element(s), got " + num(b.element_count()));
+  return ffi::Error::Success();
+}
+
+// The canary, the log's four buffers and the launch tag (verify, write).
+inline ffi::Error check_log(const char* op, const U8Array& canary, const U8Array& ring, const I32Scalar& write_index,
+                            const U8Array& kernel_counters, const U8Array& slot_counters, int64_t tag) {
+  const int64_t slots = dim_or_zero(canary, 0), stride = dim_or_zero(canary, 1);
+  if (slots < 1) return invalid(op, "canary must have at least 1 slot, got " + num(slots));
+  if (stride < CANARY_SLOT_BYTES || stride % 8)
+    return invalid(op, "canary slot stride must be a multiple of 8 bytes and at least 32, got " + num(stride));
+  if (dim_or_zero(ring, 0) < 1 || dim_or_zero(ring, 1) != VIOLATION_ROW_BYTES)
+    return invalid(op, "log.ring must be [capacity >= 1, 64] bytes, got [" + num(dim_or_zero(ring, 0)) + ", " +
+                           num(dim_or_zero(ring, 1)) + "]");
+  if (ffi::Error e = check_count(op, "log.write_index", write_index, 1); e.failure()) return e;
+  const int64_t tags = dim_or_zero(kernel_counters, 0);
+  if (tags < 1 || dim_or_zero(kernel_counters, 1) != COUNTER_BYTES || dim_or_zero(slot_counters, 0) != tags ||
+      dim_or_zero(slot_counters, 1) != COUNTER_BYTES)
+    return invalid(op, "log counters must both be [num_tags >= 1, 8] bytes, got [" + num(tags) + ", " +
+                           num(dim_or_zero(kernel_counters, 1)) + "] and [" + num(dim_or_zero(slot_counters, 0)) +
+                           ", " + num(dim_or_zero(slot_counters, 1)) + "]");
+  if (tag < 0 || tag >= tags) return invalid(op, "tag must be in [0, " + num(tags) + "), got " + num(tag));
+  return ffi::Error::Success();
+}
+
+// The real-KV mode, sources and their geometry attributes (format.md §4.4): a source whose strip
+// would reach past its row is refused rather than read (a source without rows is never read: every
+// slot of it is out of range).
+inline ffi::Error check_sources(const char* op, const ffi::RemainingArgs& srcs, int32_t mode,
+                                ffi::Span<const int64_t> page_size, ffi::Span<const int64_t> bytes_per_token,
+                                ffi::Span<const int64_t> read_bytes, ffi::Span<const int64_t> offset_bytes) {
+  if (mode < 0 || mode > 2) return invalid(op, "mode must be 0 (NONE), 1 (PARTIAL) or 2 (ALL), got " + num(mode));
+  const int64_t n = static_cast<int64_t>(srcs.size());
+  if (n > MAX_REAL_KV_SOURCES) return invalid(op, "at most 4 real-KV sources, got " + num(n));
+  if (mode == static_cast<int32_t>(RealKvHashMode::NONE)) return ffi::Error::Success();
+  for (int64_t k = 0; k < n; ++k) {
+    auto buf = srcs.get<ffi::AnyBuffer>(k);
+    if (!buf.has_value()) return invalid(op, "real-KV source " + num(k) + " is not a buffer");
+    if (k >= static_cast<int64_t>(page_size.size()) || k >= static_cast<int64_t>(bytes_per_token.size()) ||
+        k >= static_cast<int64_t>(read_bytes.size()) || k >= static_cast<int64_t>(offset_bytes.size()))
+      return invalid(op, "the geometry attributes must have an entry for each of the " + num(n) + " sources");
+    const int64_t rows = dim_or_zero(*buf, 0);
+    const int64_t row_bytes = rows > 0 ? static_cast<int64_t>(buf->size_bytes()) / rows : 0;
+    const int64_t ps = page_size[k], bpt = bytes_per_token[k], off = offset_bytes[k];
+    const int64_t eff = mode == static_cast<int32_t>(RealKvHashMode::PARTIAL) ? REAL_KV_PARTIAL_BYTES : read_bytes[k];
+    if (ps < 1 || bpt <= 0 || bpt % REAL_KV_CHUNK_BYTES || eff <= 0 || eff % REAL_KV_CHUNK_BYTES || eff > bpt ||
+        off < 0 || off % REAL_KV_CHUNK_BYTES || off > bpt - eff || (rows > 0 && ps > row_bytes / bpt))
+      return invalid(op, "real-KV source " + num(k) + " geometry (page_size " + num(ps) + ", bytes_per_token " +
+                             num(bpt) + ", read " + num(eff) + " bytes at offset " + num(off) +
+                             ") does not fit its rows of " + num(row_bytes) + " bytes");
+  }
+  return ffi::Error::Success();
+}
+
 // Results are aliased to their inputs (input_output_aliases); copy only if XLA ever hands distinct
 // buffers.
 template <class P, class In, class Out>
@@ -164,6 +257,28 @@ auto verify_binding() {
                           .template Attr<bool>("check_token"));
 }
 
+inline ffi::Error check_verify(const U8Array& canary, const U8Array& ring, const I32Scalar& write_index,
+                               const U8Array& kernel_counters, const U8Array& slot_counters,
+                               const ffi::AnyBuffer& slots, const ffi::AnyBuffer& tokens,
+                               const ffi::AnyBuffer& positions, const ffi::AnyBuffer& prevs,
+                               const I32Scalar& num_valid, const I32Scalar& enable, const ffi::RemainingArgs& srcs,
+                               int64_t tag, int32_t mode, ffi::Span<const int64_t> page_size,
+                               ffi::Span<const int64_t> bytes_per_token, ffi::Span<const int64_t> read_bytes,
+                               ffi::Span<const int64_t> offset_bytes) {
+  constexpr const char* op = "kvcanary_verify";
+  const int64_t cap = dim_or_zero(slots, 0);
+  for (ffi::Error e : {check_log(op, canary, ring, write_index, kernel_counters, slot_counters, tag),
+                       check_index(op, "slot_indices", slots, -1),
+                       cap < 1 ? invalid(op, "verify capacity must be positive, got 0") : ffi::Error::Success(),
+                       check_index(op, "expected_tokens", tokens, cap),
+                       check_index(op, "expected_positions", positions, cap),
+                       check_index(op, "prev_slot_indices", prevs, cap), check_count(op, "num_valid", num_valid, 1),
+                       check_count(op, "enable", enable, 1),
+                       check_sources(op, srcs, mode, page_size, bytes_per_token, read_bytes, offset_bytes)})
+    if (e.failure()) return e;
+  return ffi::Error::Success();
+}
+
 template <class P>
 ffi::Error verify_handler(typename P::Ctx ctx, U8Array canary, U8Array ring, I32Scalar write_index,
                           U8Array kernel_counters, U8Array slot_counters, ffi::AnyBuffer slots,
@@ -174,8 +289,12 @@ ffi::Error verify_handler(typename P::Ctx ctx, U8Array canary, U8Array ring, I32
                           int32_t mode, ffi::Span<const int64_t> page_size,
                           ffi::Span<const int64_t> bytes_per_token, ffi::Span<const int64_t> read_bytes,
                           ffi::Span<const int64_t> offset_bytes) {
-  ffi::Error err = alias_log<P>(ctx, ring, write_index, kernel_counters, slot_counters, ring_out,
-                                write_index_out, kernel_counters_out, slot_counters_out);
+  ffi::Error err = check_verify(canary, ring, write_index, kernel_counters, slot_counters, slots, tokens, positions,
+                                prevs, num_valid, enable, srcs, tag, mode, page_size, bytes_per_token, read_bytes,
+                                offset_bytes);
+  if (err.success())
+    err = alias_log<P>(ctx, ring, write_index, kernel_counters, slot_counters, ring_out, write_index_out,
+                       kernel_counters_out, slot_counters_out);
   if (err.failure()) return err;
   VerifyArgs a{};
   a.canary = canary_view(canary);
@@ -216,6 +335,33 @@ auto write_binding() {
                           .template Attr<bool>("input_assert"));
 }
 
+inline ffi::Error check_write(const U8Array& canary, const U8Array& ring, const I32Scalar& write_index,
+                              const U8Array& kernel_counters, const U8Array& slot_counters, const I32Scalar& chain_flag,
+                              const ffi::AnyBuffer& offsets, const ffi::AnyBuffer& seeds,
+                              const I32Scalar& num_valid_reqs, const ffi::AnyBuffer& input_ids,
+                              const ffi::AnyBuffer& positions, const ffi::AnyBuffer& locs,
+                              const ffi::AnyBuffer& exp_tokens, const ffi::AnyBuffer& exp_positions,
+                              const ffi::RemainingArgs& srcs, int64_t tag, bool input_assert, int32_t mode,
+                              ffi::Span<const int64_t> page_size, ffi::Span<const int64_t> bytes_per_token,
+                              ffi::Span<const int64_t> read_bytes, ffi::Span<const int64_t> offset_bytes) {
+  constexpr const char* op = "kvcanary_write";
+  const int64_t reqs = dim_or_zero(seeds, 0), n = dim_or_zero(input_ids, 0);
+  // the expected arrays are read only with the input assert (Python passes empty ones without it)
+  const int64_t expected_len = input_assert ? n : -1;
+  for (ffi::Error e : {check_log(op, canary, ring, write_index, kernel_counters, slot_counters, tag),
+                       check_count(op, "enable_chain_position_assert", chain_flag, 1),
+                       check_index(op, "seed_slot_indices", seeds, -1),
+                       check_index(op, "offsets", offsets, reqs + 1),
+                       check_count(op, "num_valid_reqs", num_valid_reqs, 1),
+                       check_index(op, "input_ids", input_ids, -1), check_index(op, "positions", positions, n),
+                       check_index(op, "out_cache_loc", locs, n),
+                       check_index(op, "expected_input_tokens", exp_tokens, expected_len),
+                       check_index(op, "expected_input_positions", exp_positions, expected_len),
+                       check_sources(op, srcs, mode, page_size, bytes_per_token, read_bytes, offset_bytes)})
+    if (e.failure()) return e;
+  return ffi::Error::Success();
+}
+
 template <class P>
 ffi::Error write_handler(typename P::Ctx ctx, U8Array canary, U8Array ring, I32Scalar write_index,
                          U8Array kernel_counters, U8Array slot_counters, I32Scalar chain_flag,
@@ -227,7 +373,10 @@ ffi::Error write_handler(typename P::Ctx ctx, U8Array canary, U8Array ring, I32S
                          int64_t tag, bool input_assert, int32_t mode, ffi::Span<const int64_t> page_size,
                          ffi::Span<const int64_t> bytes_per_token, ffi::Span<const int64_t> read_bytes,
                          ffi::Span<const int64_t> offset_bytes) {
-  ffi::Error err = alias_in<P>(ctx, canary, canary_out);
+  ffi::Error err = check_write(canary, ring, write_index, kernel_counters, slot_counters, chain_flag, offsets, seeds,
+                               num_valid_reqs, input_ids, positions, locs, exp_tokens, exp_positions, srcs, tag,
+                               input_assert, mode, page_size, bytes_per_token, read_bytes, offset_bytes);
+  if (err.success()) err = alias_in<P>(ctx, canary, canary_out);
   if (err.success())
     err = alias_log<P>(ctx, ring, write_index, kernel_counters, slot_counters, ring_out, write_index_out,
                        kernel_counters_out, slot_counters_out);
@@ -241,9 +390,7 @@ ffi::Error write_handler(typename P::Ctx ctx, U8Array canary, U8Array ring, I32S
   a.locs = index_view(locs);
   a.exp_tokens = index_view(exp_tokens);
   a.exp_positions = index_view(exp_positions);
-  // Honoured only when both expected arrays are as long as the inputs (Python passes empty ones
-  // when the assert is off), so the assert can never read past them.
-  a.input_assert = input_assert && dim_or_zero(exp_tokens, 0) >= n_tokens && dim_or_zero(exp_positions, 0) >= n_tokens;
+  a.input_assert = input_assert;
   a.chain_assert = false;  // a buffer value: the launcher reads chain_flag
   a.sources = real_kv_sources(srcs, mode, page_size, bytes_per_token, read_bytes, offset_bytes);
   a.tag = tag;
@@ -288,6 +435,49 @@ auto plan_binding() {
       .template Attr<bool>("has_row_starts");
 }
 
+// The element counts of plan's results (XLA allocates them from the call's result shapes).
+struct PlanResultSizes {
+  int64_t slots, tokens, positions, prevs, offsets, seeds;
+  bool scalars;  // num_valid, enable and num_valid_reqs hold one element each
+};
+
+inline ffi::Error check_plan(const ffi::AnyBuffer& rpi, const ffi::AnyBuffer& prefix, const ffi::AnyBuffer& extend,
+                             const ffi::AnyBuffer& r2t, const ffi::AnyBuffer& lut, const ffi::AnyBuffer& pool,
+                             const ffi::AnyBuffer& valid_lens, const ffi::AnyBuffer& row_starts,
+                             const PlanResultSizes& out, int64_t window, int64_t token_offset, bool has_lut,
+                             bool has_pool, bool has_row_starts) {
+  constexpr const char* op = "kvcanary_plan";
+  const int64_t bs = dim_or_zero(rpi, 0);
+  const int64_t vcap = out.slots, wcap = out.seeds;
+  const auto ok = ffi::Error::Success();
+  for (ffi::Error e :
+       {check_index(op, "req_pool_indices", rpi, -1), check_index(op, "prefix_lens", prefix, bs),
+        check_index(op, "extend_seq_lens", extend, bs),
+        has_row_starts ? check_index(op, "req_to_token (a flat table with row_starts)", r2t, -1)
+                       : check_index_matrix(op, "req_to_token", r2t),
+        has_row_starts ? check_index(op, "row_starts", row_starts, bs) : ok,
+        has_lut ? check_index(op, "full_to_swa_index_mapping", lut, -1) : ok,
+        has_lut && dim_or_zero(lut, 0) < 1 ? invalid(op, "full_to_swa_index_mapping length must be >= 1, got 0") : ok,
+        !has_lut && window > 0 ? invalid(op, "a window > 0 needs full_to_swa_index_mapping (has_lut)") : ok,
+        window < 0 ? invalid(op, "window must be >= 0, got " + num(window)) : ok,
+        token_offset < INT32_MIN || token_offset > INT32_MAX
+            ? invalid(op, "token_offset must fit in int32, got " + num(token_offset))
+            : ok,
+        has_pool ? check_index_matrix(op, "req_to_verify_expected_tokens", pool) : ok,
+        has_pool ? check_index(op, "req_to_verify_expected_tokens_valid_lens", valid_lens, bs) : ok,
+        vcap < 1 ? invalid(op, "the verify entry results must hold >= 1 entry, got 0") : ok,
+        out.tokens != vcap || out.positions != vcap || out.prevs != vcap
+            ? invalid(op, "the four verify entry results must have the same length " + num(vcap))
+            : ok,
+        bs > wcap ? invalid(op, "bs=" + num(bs) + " exceeds the write request results' " + num(wcap)) : ok,
+        out.offsets != wcap + 1
+            ? invalid(op, "the offsets result must hold " + num(wcap + 1) + " entries, got " + num(out.offsets))
+            : ok,
+        !out.scalars ? invalid(op, "num_valid, enable and num_valid_reqs results must hold 1 element each") : ok})
+    if (e.failure()) return e;
+  return ok;
+}
+
 template <class P>
 ffi::Error plan_handler(typename P::Ctx ctx, ffi::AnyBuffer rpi, ffi::AnyBuffer prefix, ffi::AnyBuffer extend,
                         ffi::AnyBuffer r2t, ffi::AnyBuffer lut, ffi::AnyBuffer pool, ffi::AnyBuffer valid_lens,
@@ -295,26 +485,32 @@ ffi::Error plan_handler(typename P::Ctx ctx, ffi::AnyBuffer rpi, ffi::AnyBuffer 
                         I32ScalarOut num_valid, I32ScalarOut enable, I32VectorOut offsets, I32VectorOut seeds,
                         I32ScalarOut num_valid_reqs, ScratchOut scratch, int64_t window, int64_t token_offset,
                         bool has_lut, bool has_pool, bool has_row_starts) {
+  const PlanResultSizes sizes{
+      static_cast<int64_t>(slots->element_count()),   static_cast<int64_t>(tokens->element_count()),
+      static_cast<int64_t>(positions->element_count()), static_cast<int64_t>(prevs->element_count()),
+      static_cast<int64_t>(offsets->element_count()), static_cast<int64_t>(seeds->element_count()),
+      num_valid->element_count() == 1 && enable->element_count() == 1 && num_valid_reqs->element_count() == 1};
+  const ffi::Error err = check_plan(rpi, prefix, extend, r2t, lut, pool, valid_lens, row_starts, sizes, window,
+                                    token_offset, has_lut, has_pool, has_row_starts);
+  if (err.failure()) return err;
   const int64_t vcap = static_cast<int64_t>(slots->element_count());
   const int64_t wcap = static_cast<int64_t>(seeds->element_count());
-  const int64_t bs = dim_or_zero(rpi, 0) < wcap ? dim_or_zero(rpi, 0) : wcap;  // never index past the outputs
+  const int64_t bs = dim_or_zero(rpi, 0);
   const size_t r2t_rank = r2t.dimensions().size();
   PlanArgs a{};
   a.req_pool_indices = index_view(rpi);
   a.prefix_lens = index_view(prefix);
   a.extend_seq_lens = index_view(extend);
   a.req_to_token = index_view(r2t);
-  // The flat table is honoured only with a 1-D table and a start for every planned row; the 2-D
-  // shape only from a 2-D table. Anything else (never produced by the Python checks) reads nothing.
-  a.has_row_starts = has_row_starts && r2t_rank == 1 && dim_or_zero(row_starts, 0) >= bs;
+  a.has_row_starts = has_row_starts;
   a.row_starts = index_view(row_starts);
   a.N = a.has_row_starts ? dim_or_zero(r2t, 0) : 0;
   a.R = r2t_rank == 2 ? dim_or_zero(r2t, 0) : 0;
   a.L = r2t_rank == 2 ? dim_or_zero(r2t, 1) : 0;
-  a.has_lut = has_lut && dim_or_zero(lut, 0) > 0;
+  a.has_lut = has_lut;
   a.lut = index_view(lut);
   a.lut_len = dim_or_zero(lut, 0);
-  a.has_pool = has_pool && pool.dimensions().size() == 2;
+  a.has_pool = has_pool;
   a.pool = index_view(pool);
   a.Rp = dim_or_zero(pool, 0);
   a.Cp = dim_or_zero(pool, 1);
@@ -343,6 +539,14 @@ auto scatter_binding() {
 template <class P>
 ffi::Error scatter_handler(typename P::Ctx ctx, ffi::AnyBuffer pool, ffi::AnyBuffer flat_ids,
                            ffi::AnyBuffer offsets, ffi::AnyBuffer rpi, ffi::Result<ffi::AnyBuffer> pool_out) {
+  constexpr const char* op = "kvcanary_scatter";
+  for (ffi::Error e : {check_index_matrix(op, "pool", pool), check_index(op, "flat_ids", flat_ids, -1),
+                       check_index(op, "req_pool_indices", rpi, -1),
+                       check_index(op, "offsets", offsets, dim_or_zero(rpi, 0) + 1),
+                       pool_out->element_type() != pool.element_type() || pool_out->size_bytes() != pool.size_bytes()
+                           ? invalid(op, "the result must have the pool's dtype and shape")
+                           : ffi::Error::Success()})
+    if (e.failure()) return e;
   const ffi::Error err = alias_in<P>(ctx, pool, pool_out);
   if (err.failure()) return err;
   const int64_t rows = dim_or_zero(pool, 0), cols = dim_or_zero(pool, 1);

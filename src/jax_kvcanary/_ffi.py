@@ -2,7 +2,8 @@
 
 This is the only module that calls ``jax.ffi``. Functions here receive arguments already validated
 and normalised by ``ops.py`` (the real-KV pair is either ``((), NONE)`` or ``(1..4 sources, PARTIAL|ALL)``)
-and never check anything themselves. Attributes are normalised to one exact numpy type each, so a
+and never check anything themselves (the native handlers check shapes and attributes again, for
+callers that reach the targets without ``ops.py``: docs/design.md §5). Attributes are normalised to one exact numpy type each, so a
 Python ``1``, ``True`` and ``np.int32(1)`` share a compile-cache entry.
 """
 
