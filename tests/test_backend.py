@@ -100,7 +100,7 @@ def test_lowering_for_a_platform_without_handlers_uses_the_pure_jax_backend():
 # Sources here hold integer bytes: inside a loop (vmap's lax.map) XLA:CPU may canonicalise the NaN
 # payloads of random-byte 16-bit float arrays before the kernel sees them (see docs/format.md §4.4).
 @pytest.mark.parametrize("op,config", [("write", "w3_i32_partial"), ("write", "w2_i64_none_srcs"),
-                                       ("verify", "v8_i32_rows"), ("verify", "v6_i64_partial_nosrc"),
+                                       ("verify", "v8_i32_rows"), ("verify", "v6_i64_none_nosrc"),
                                        ("plan", "p4_i32_swa"), ("plan", "p2_i64_pool"),
                                        ("plan", "p9d_i32_rows_swa_pool"), ("plan", "p9b_i64_rows_pool_lut"),
                                        ("scatter_req_token_ids", "s1_i32"),

@@ -331,7 +331,32 @@ VERIFY_CASES = [
      "kv-canary: verify_plan.enable must have shape (1,), got ()"),
     (dict(check_verify_expected_token=None), TypeError,
      "kv-canary: check_verify_expected_token must be a static bool, got NoneType"),
+    (dict(check_verify_expected_token=True, verify_plan=vp(has_expected_tokens=False)), ValueError,
+     "kv-canary: check_verify_expected_token=True needs a verify plan with expected tokens; this "
+     "one was planned without req_to_verify_expected_tokens (every expected token is -1, nothing "
+     "would be checked)"),
 ]
+
+
+def test_option_pairs_that_would_check_nothing_are_refused():
+    """A real-KV mode without sources, and the token check on a plan made without a token pool."""
+    for mode in ("PARTIAL", "ALL"):
+        with raises(ValueError, f"kv-canary: real_kv_hash_mode={mode} needs at least one "
+                                "RealKvSource in real_kv_sources, got none (nothing would be "
+                                "fingerprinted); pass the KV arrays or real_kv_hash_mode=NONE"):
+            verify(real_kv_hash_mode=getattr(kvc.RealKvHashMode, mode))
+        with pytest.raises(ValueError, match=f"^kv-canary: real_kv_hash_mode={mode} needs"):
+            write(real_kv_hash_mode=getattr(kvc.RealKvHashMode, mode))
+    rp = jnp.array([1], jnp.int32)
+    table = jnp.arange(8, dtype=jnp.int32).reshape(2, 4)
+    no_pool, _ = kvc.plan(rp, rp, rp, table, verify_capacity=4, write_req_capacity=1)
+    pool, _ = kvc.plan(rp, rp, rp, table, verify_capacity=4, write_req_capacity=1,
+                       req_to_verify_expected_tokens=table, req_to_verify_expected_tokens_valid_lens=rp)
+    assert not no_pool.has_expected_tokens and pool.has_expected_tokens
+    with pytest.raises(ValueError, match="^kv-canary: check_verify_expected_token=True needs a "):
+        verify(verify_plan=no_pool, check_verify_expected_token=True)
+    assert jax.jit(lambda: kvc.plan(rp, rp, rp, table, verify_capacity=4,
+                                    write_req_capacity=1)[0])().has_expected_tokens is False
 
 
 @pytest.mark.parametrize("over, exc, msg", VERIFY_CASES)

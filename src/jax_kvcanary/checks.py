@@ -52,8 +52,12 @@ def real_kv(real_kv_sources, real_kv_hash_mode):
     if isinstance(real_kv_hash_mode, (bool, np.bool_)) or mode not in (0, 1, 2):
         raise ValueError("kv-canary: real_kv_hash_mode must be 0 (NONE), 1 (PARTIAL) or 2 (ALL), "
                          f"got {real_kv_hash_mode!r}")
-    if mode == consts.RealKvHashMode.NONE or not real_kv_sources:
+    if mode == consts.RealKvHashMode.NONE:
         return (), 0
+    if not real_kv_sources:
+        raise ValueError(f"kv-canary: real_kv_hash_mode={consts.RealKvHashMode(mode).name} needs at "
+                         "least one RealKvSource in real_kv_sources, got none (nothing would be "
+                         "fingerprinted); pass the KV arrays or real_kv_hash_mode=NONE")
     return tuple(real_kv_sources), int(mode)
 
 

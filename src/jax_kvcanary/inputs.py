@@ -21,19 +21,31 @@ class VerifyPlan(FieldsPytree):
 
     Sentinels: slot 0 = padding; expected token -1 = no token check; prev < 0 = chain head,
     prev 0 = predecessor unknown (chain check skipped). The constructor does not validate.
+
+    ``has_expected_tokens`` (static, default True) is False for a plan ``plan`` made without a token
+    pool, whose ``expected_tokens`` are all -1: ``verify`` then refuses
+    ``check_verify_expected_token=True``, which would check nothing.
     """
 
     _FIELDS = ("slot_indices", "expected_tokens", "expected_positions", "prev_slot_indices",
                "num_valid", "enable")
 
     def __init__(self, slot_indices, expected_tokens, expected_positions, prev_slot_indices,
-                 num_valid, enable):
+                 num_valid, enable, has_expected_tokens=True):
         self.slot_indices = slot_indices
         self.expected_tokens = expected_tokens
         self.expected_positions = expected_positions
         self.prev_slot_indices = prev_slot_indices
         self.num_valid = num_valid
         self.enable = enable
+        self.has_expected_tokens = bool(has_expected_tokens)
+
+    def tree_flatten(self):
+        return tuple(getattr(self, f) for f in self._FIELDS), self.has_expected_tokens
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, has_expected_tokens=aux)
 
 
 @jax.tree_util.register_pytree_node_class

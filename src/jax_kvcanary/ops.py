@@ -61,6 +61,11 @@ def verify(canary, log, verify_plan, *, tag, check_verify_expected_token=False, 
     checks.scalar_i32(vp.num_valid, "verify_plan.num_valid")
     checks.scalar_i32(vp.enable, "verify_plan.enable")
     check_token = checks.static_bool(check_verify_expected_token, "check_verify_expected_token")
+    if check_token and not vp.has_expected_tokens:
+        raise ValueError("kv-canary: check_verify_expected_token=True needs a verify plan with "
+                         "expected tokens; this one was planned without "
+                         "req_to_verify_expected_tokens (every expected token is -1, nothing would "
+                         "be checked)")
     return backend.op("verify", choice)(canary, log, vp, tag=tag, check_verify_expected_token=check_token,
                                     real_kv_sources=sources, real_kv_hash_mode=mode)
 
@@ -211,11 +216,14 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
     if pool is not None:
         checks.index_matrix(pool, "req_to_verify_expected_tokens")
         checks.index_array(valid_lens, "req_to_verify_expected_tokens_valid_lens", bs)
-    return backend.op("plan", choice)(
+    vp, wp = backend.op("plan", choice)(
         req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, verify_capacity=vcap,
         write_req_capacity=wcap, swa_window_size=window, full_to_swa_index_mapping=full_to_swa_index_mapping,
         req_to_verify_expected_tokens=pool, req_to_verify_expected_tokens_valid_lens=valid_lens,
         kv_token_id_vs_position_offset=offset, row_starts=row_starts)
+    if pool is None:
+        vp = VerifyPlan(*(getattr(vp, f) for f in VerifyPlan._FIELDS), has_expected_tokens=False)
+    return vp, wp
 
 
 def scatter_req_token_ids(pool, flat_ids, offsets, req_pool_indices, *, impl=None):
