@@ -77,6 +77,23 @@ def test_each_inject_kind_is_detected(capsys, kind, group, tag, reason, lag):
     assert f"  fault injected     step {int(m.group(1)) - lag}: {kind} on {group.upper()}" in out
 
 
+@pytest.mark.parametrize("kind", demo.cli.FAULT_KINDS)
+def test_every_inject_kind_with_the_readme_defaults_finds_a_target_and_is_detected(capsys, kind):
+    """``python -m jax_kvcanary.demo --inject KIND`` (with ``--offload`` for the offload kinds), as
+    the README gives it: a target is found, the fault is detected, and in log mode the progress
+    bar's last count is the summary's."""
+    from jax_kvcanary.runtime import perturb
+
+    offload = ["--offload"] if kind in perturb.OFFLOAD_KINDS else []
+    rc = demo.main([*offload, "--inject", kind, "--no-overhead"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out
+    assert DETECTED.search(cap.out), cap.out
+    bar = re.findall(r"steps  tokens \d+  violations (\d+)", cap.err)
+    summary = re.search(r"^  violations         (\d+)", cap.out, re.M)
+    assert bar and summary and bar[-1] == summary.group(1), (bar, summary)
+
+
 def test_main_raise_returns_one(capsys):
     rc = demo.main(["--mode", "raise", "--inject", "next_token_swap", "--steps", "16",
                     "--inject-step", "8", "--no-overhead", "--no-swa"])

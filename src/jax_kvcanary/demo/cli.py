@@ -27,6 +27,8 @@ import time
 from ..runtime import perturb
 
 FAULT_KINDS = perturb.KINDS + perturb.OFFLOAD_KINDS
+#: faults planted in a reload of offloaded slots (armed early: see ``default_inject_step``)
+RELOAD_KINDS = ("reload_wrong_slot", "transfer_byte_flip")
 REAL_KV = {"none": "NONE", "partial": "PARTIAL", "all": "ALL"}
 MAX_LOGGED_REPORTS = 6
 
@@ -40,7 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=8, help="requests to serve (default 8)")
     p.add_argument("--inject", choices=FAULT_KINDS, default=None, help="inject one fault of this kind")
     p.add_argument("--inject-step", type=int, default=None,
-                   help="step at (or after) which to inject (default: steps // 2)")
+                   help="step at (or after) which to inject (default: steps // 2; 2 for the "
+                        "reload faults reload_wrong_slot and transfer_byte_flip)")
     p.add_argument("--inject-group", choices=("full", "swa"), default="full",
                    help="attention group the fault targets (default full)")
     p.add_argument("--inject-device", type=int, default=0, help="device whose KV is corrupted")
@@ -90,20 +93,23 @@ class Progress:
         self.tty = getattr(self.stream, "isatty", lambda: False)()
         self.mid_line = False
         self._last_mark = -1
+        self._last_line = None
 
     def line(self, done: int, extra: str) -> str:
         fill = int(self.width * done / self.total)
         return f"[{'#' * fill}{'.' * (self.width - fill)}] {done}/{self.total} steps  {extra}"
 
-    def update(self, done: int, extra: str = ""):
+    def update(self, done: int, extra: str = "", final: bool = False):
+        """Redraw (a terminal) or print at a new 25% mark; ``final``: also print a changed last line."""
+        line = self.line(done, extra)
         if self.tty:
-            self.stream.write("\r" + self.line(done, extra) + "\x1b[K")
+            self.stream.write("\r" + line + "\x1b[K")
             self.mid_line = True
         else:
             mark = 4 * done // self.total
-            if mark != self._last_mark:
-                self._last_mark = mark
-                self.stream.write(self.line(done, extra) + "\n")
+            if mark != self._last_mark or (final and line != self._last_line):
+                self._last_mark, self._last_line = mark, line
+                self.stream.write(line + "\n")
         self.stream.flush()
 
     def break_line(self):
@@ -186,6 +192,13 @@ def main(argv=None) -> int:
         lg.removeHandler(handler)
 
 
+def default_inject_step(args) -> int:
+    """Where ``--inject`` arms its fault without ``--inject-step``: mid-run, except for the faults
+    of a reload (the prefix-cache hits on offloaded slots come early in the demo's workload), which
+    arm from step 2 on so that the first reload is the target."""
+    return 2 if args.inject in RELOAD_KINDS else max(2, args.steps // 2)
+
+
 def _run(args, ecfg, ccfg, bar, handler, lg, t_start):
     from .engine import ToyEngine
 
@@ -194,7 +207,7 @@ def _run(args, ecfg, ccfg, bar, handler, lg, t_start):
     engine.warmup()
     t_warm = time.perf_counter() - t_start
     if args.inject:
-        step = args.inject_step if args.inject_step is not None else max(2, args.steps // 2)
+        step = args.inject_step if args.inject_step is not None else default_inject_step(args)
         engine.arm(args.inject, step, group=args.inject_group.upper(),
                    device=args.inject_device if args.devices > 1 else None)
     res = _serve(args, engine, bar)
@@ -228,13 +241,17 @@ def _serve(args, engine, bar) -> _Served:
             if res.detected is None and engine.fault is not None and engine.fault[1].matches(v):
                 res.detected = (v.step, v)
 
+    def show(final=False):
+        bar.update(res.steps, f"tokens {engine.tokens_prefill + engine.tokens_decode}  "
+                              f"violations {len(engine.monitor.violations)}", final=final)
+
     try:
         for _ in range(args.steps):
             note(engine.iterate())
             res.steps += 1
-            bar.update(res.steps, f"tokens {engine.tokens_prefill + engine.tokens_decode}  "
-                                  f"violations {len(engine.monitor.violations)}")
+            show()
         note(engine.monitor.flush())
+        show(final=True)           # the last step's readback: the bar ends on the summary's count
     except CanaryViolationError as e:
         note(e.violations)
         res.status, res.error = 1, e
@@ -301,7 +318,8 @@ def _print_summary(args, engine, res, handler, overhead, t_start, t_warm):
     for (tag, reason), n in sorted(mon.by_tag_reason.items()):
         p(f"    {tag:<{width}}{reason:<22}{n:>6}   (first reported at step {res.first_seen.get((tag, reason))})")
     if handler.hidden:
-        p(f"  ({handler.hidden} more reports were logged by the monitor but not shown here)")
+        p(f"  ({handler.hidden} more reports not printed: the first {MAX_LOGGED_REPORTS} are; "
+          "every row is counted above)")
     if overhead is not None:
         p(f"  canary overhead    {overhead[2]:.2f}x step time with the canary on vs off (median "
           f"{overhead[0] * 1e3:.2f} ms vs {overhead[1] * 1e3:.2f} ms; {len(engine.trace)} steps "
