@@ -113,14 +113,20 @@ inline ffi::Error invalid(const char* op, const std::string& what) {
   return ffi::Error::InvalidArgument(std::string("kv-canary: ") + op + ": " + what);
 }
 
-// An index array: int32 or int64, 1-D, `len` long (any length when len < 0).
-inline ffi::Error check_index(const char* op, const char* name, const ffi::AnyBuffer& b, int64_t len) {
+// An index buffer: int32 or int64, of rank `rank`.
+inline ffi::Error check_index_rank(const char* op, const char* name, const ffi::AnyBuffer& b, size_t rank) {
   const ffi::DataType t = b.element_type();
   if (t != ffi::DataType::S32 && t != ffi::DataType::S64)
     return invalid(op, std::string(name) + " must have dtype int32 or int64, got type code " +
                            num(static_cast<int64_t>(t)));
-  if (b.dimensions().size() != 1)
-    return invalid(op, std::string(name) + " must be 1-D, got rank " + num(b.dimensions().size()));
+  if (b.dimensions().size() != rank)
+    return invalid(op, std::string(name) + " must be " + num(rank) + "-D, got rank " + num(b.dimensions().size()));
+  return ffi::Error::Success();
+}
+
+// An index array: int32 or int64, 1-D, `len` long (any length when len < 0).
+inline ffi::Error check_index(const char* op, const char* name, const ffi::AnyBuffer& b, int64_t len) {
+  if (ffi::Error e = check_index_rank(op, name, b, 1); e.failure()) return e;
   if (len >= 0 && b.dimensions()[0] != len)
     return invalid(op, std::string(name) + " length must be " + num(len) + ", got " + num(b.dimensions()[0]));
   return ffi::Error::Success();
@@ -128,13 +134,7 @@ inline ffi::Error check_index(const char* op, const char* name, const ffi::AnyBu
 
 // An index matrix: int32 or int64, 2-D.
 inline ffi::Error check_index_matrix(const char* op, const char* name, const ffi::AnyBuffer& b) {
-  const ffi::DataType t = b.element_type();
-  if (t != ffi::DataType::S32 && t != ffi::DataType::S64)
-    return invalid(op, std::string(name) + " must have dtype int32 or int64, got type code " +
-                           num(static_cast<int64_t>(t)));
-  if (b.dimensions().size() != 2)
-    return invalid(op, std::string(name) + " must be 2-D, got rank " + num(b.dimensions().size()));
-  return ffi::Error::Success();
+  return check_index_rank(op, name, b, 2);
 }
 
 template <ffi::DataType T, size_t R>
