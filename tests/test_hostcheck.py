@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import jax_kvcanary as kvc
-from jax_kvcanary import hashing, reference
+from jax_kvcanary import hashing
 from jax_kvcanary.consts import HostCheckTag, RealKvHashMode
 from jax_kvcanary.runtime import hostcheck as H
 from jax_kvcanary.runtime.offload import export_records
-
+from tests.support import runtime_reference
 from tests.support.impls import COMPARED_IMPLS
 
 
@@ -46,7 +46,7 @@ def _case(seed, mode, offsets=False):
 def test_every_backend_matches_the_reference(seed, mode, offsets):
     srcs, records, slots = _case(seed, mode, offsets)
     names = slots + 1000
-    want = reference.host_check(srcs, records, slots, real_kv_hash_mode=mode, tag=13, report_slots=names)
+    want = runtime_reference.host_check(srcs, records, slots, real_kv_hash_mode=mode, tag=13, report_slots=names)
     assert len(want) and set(want[:, 7]) <= {4, 64}
     for impl in COMPARED_IMPLS:
         got = H.check_host_copy(srcs, records, slots, real_kv_hash_mode=mode, tag=13,
@@ -127,7 +127,7 @@ def test_host_check_with_offset_bytes():
         b = host.view(np.uint8).reshape(6, -1)
         b[2, 64 + 5] ^= 0x10                                          # host slot 5: K byte 5, outside
         b[3, 32 + 3] ^= 0x10                                          # host slot 6: V byte 3, inside
-        want = reference.host_check((src,), records, host_slots, real_kv_hash_mode=mode, tag=13,
+        want = runtime_reference.host_check((src,), records, host_slots, real_kv_hash_mode=mode, tag=13,
                                     report_slots=np.asarray(slots))
         assert [r[1] for r in want] == [13]                           # device slot of host slot 6
         for impl in COMPARED_IMPLS:

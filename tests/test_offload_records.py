@@ -12,12 +12,10 @@ import numpy as np
 import pytest
 
 import jax_kvcanary as kvc
-from jax_kvcanary import reference
 from jax_kvcanary.runtime import CanaryConfig, CanaryEndpoints
 from jax_kvcanary.runtime.offload import (export_records, export_state_records, import_records,
                                           import_state_records)
-
-from tests.support import hlo
+from tests.support import hlo, runtime_reference
 
 S, STRIDE = 37, 40      # distinctive: a copy of the canary is recognisable in the HLO
 
@@ -41,10 +39,10 @@ def test_export_import_match_the_reference(seed, dtype):
         canary, slots = _canary(seed), jnp.asarray(_slots(seed, 24, dtype))
         recs = jnp.asarray(np.random.default_rng(seed + 100).integers(0, 256, (24, 32), dtype=np.uint8))
         got, oob = export_records(canary, slots)
-        want, want_oob = reference.export_records(canary, slots)
+        want, want_oob = runtime_reference.export_records(canary, slots)
         assert np.array_equal(np.asarray(got), want) and np.array_equal(np.asarray(oob), want_oob)
         new, oob = import_records(canary, slots, recs)
-        want, want_oob = reference.import_records(canary, slots, recs)
+        want, want_oob = runtime_reference.import_records(canary, slots, recs)
         assert np.array_equal(np.asarray(new), want) and np.array_equal(np.asarray(oob), want_oob)
         assert int(want_oob[0]) == int(np.sum(np.asarray(slots) >= S)) > 0
 
@@ -126,7 +124,7 @@ def test_state_helpers_move_every_head_and_tail_canary():
     assert int(oob[0]) == 0
     for name, c in new.canaries.items():
         g = name.rsplit("_", 1)[1]
-        want, _ = reference.import_records(state.canaries[name], dst[g], recs[name])
+        want, _ = runtime_reference.import_records(state.canaries[name], dst[g], recs[name])
         assert np.array_equal(np.asarray(c), want), name
     only_full, _ = export_state_records(state, {"FULL": src["FULL"]})
     assert sorted(only_full) == ["HEAD_K_FULL", "HEAD_V_FULL", "TAIL_K_FULL", "TAIL_V_FULL"]

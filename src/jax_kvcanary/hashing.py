@@ -205,11 +205,6 @@ def effective_bytes(source, mode) -> int:
     return int(source.read_bytes)
 
 
-def source_row_of(source, slot: int) -> int:
-    """The row a slot's strip lives in: ``slot // page_size`` (slot >= 0)."""
-    return int(slot) // int(source.page_size)
-
-
 def slot_strip(source, slot, mode, image: np.ndarray | None = None) -> np.ndarray:
     """The bytes of slot ``slot``'s strip that the fold reads: ``uint8[eff]`` (a copy).
 

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from jax_kvcanary.integrations import sglang_jax_tiny as tiny
+from tests.support import sglang_jax_tiny as tiny
 from tests.support.sglang_server import installed_sglang_jax
 
 if installed_sglang_jax() != "0.0.2":

@@ -68,9 +68,3 @@ def local_view(tree):
 def global_view(tree):
     """Inside ``shard_map``: the device's ``[...]`` arrays -> ``[1, ...]`` blocks for ``P(axis)``."""
     return jax.tree.map(lambda x: x[None], tree)
-
-
-def num_devices_of(state) -> int:
-    """1 for a single-device state, ``D`` for a stacked one (leading axis on ``write_index``)."""
-    wi = state.log.write_index if hasattr(state, "log") else state.write_index
-    return int(wi.shape[0]) if wi.ndim == 2 else 1

@@ -1,4 +1,4 @@
-"""A tiny in-process sglang-jax engine for the integration's tests and overhead benchmark.
+"""A tiny in-process sglang-jax 0.0.2 engine for the integration's in-process tests (test support).
 
 ``TinyEngine`` builds a random-weight Qwen2 (2 layers, hidden 256, 2 heads, 1 KV head, vocab 512,
 float32) from a hand-written ``config.json`` (``load_format='dummy'``, then every floating weight
