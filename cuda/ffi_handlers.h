@@ -78,31 +78,32 @@ inline LogView log_view(U8ArrayOut& ring, I32ScalarOut& write_index, U8ArrayOut&
 
 inline ScratchView scratch_view(ScratchOut& s) { return ScratchView{s->typed_data(), s->size_bytes()}; }
 
-// Real-KV sources: buffers from RemainingArgs, geometry from static attributes. Rows and row bytes
-// come from the buffer itself, so they cannot disagree with what is mapped. A source whose geometry
-// would reach past its row (never produced by the Python checks) is treated as having no rows, so no
-// byte outside a buffer is ever read (make_source_view in canary_core.h).
+// Bytes per row of a real-KV source buffer (its leading dimension is the row); 0 without rows.
+inline int64_t row_bytes_of(const ffi::AnyBuffer& b) {
+  const int64_t rows = dim_or_zero(b, 0);
+  return rows > 0 ? static_cast<int64_t>(b.size_bytes()) / rows : 0;
+}
+
+// Real-KV sources: buffers from RemainingArgs, geometry from static attributes, as check_sources
+// accepted them (the handlers run it first). Rows and row bytes come from the buffer itself, so they
+// cannot disagree with what is mapped; the core still treats a geometry that would reach past a row
+// as a source without rows (make_source_view in canary_core.h).
 inline RealKvSources real_kv_sources(const ffi::RemainingArgs& srcs, int32_t mode,
                                      ffi::Span<const int64_t> page_size,
                                      ffi::Span<const int64_t> bytes_per_token,
                                      ffi::Span<const int64_t> read_bytes,
                                      ffi::Span<const int64_t> offset_bytes) {
   RealKvSources out{};
-  out.mode = mode;
+  out.mode = static_cast<int32_t>(RealKvHashMode::NONE);
   out.count = 0;
-  const size_t n = srcs.size() < static_cast<size_t>(MAX_REAL_KV_SOURCES) ? srcs.size() : MAX_REAL_KV_SOURCES;
-  for (size_t k = 0; k < n; ++k) {
-    auto buf = srcs.get<ffi::AnyBuffer>(k);
-    if (!buf.has_value() || k >= page_size.size() || k >= bytes_per_token.size() || k >= read_bytes.size() ||
-        k >= offset_bytes.size())
-      break;
-    const int64_t rows = dim_or_zero(*buf, 0);
-    const int64_t row_bytes = rows > 0 ? static_cast<int64_t>(buf->size_bytes()) / rows : 0;
-    out.src[out.count++] = make_source_view(static_cast<const uint8_t*>(buf->untyped_data()), rows, row_bytes,
-                                            page_size[k], bytes_per_token[k], read_bytes[k], offset_bytes[k], mode);
+  if (mode == static_cast<int32_t>(RealKvHashMode::NONE) || srcs.size() == 0) return out;
+  out.mode = mode;
+  for (size_t k = 0; k < srcs.size(); ++k) {
+    const ffi::AnyBuffer buf = *srcs.get<ffi::AnyBuffer>(k);
+    out.src[out.count++] =
+        make_source_view(static_cast<const uint8_t*>(buf.untyped_data()), dim_or_zero(buf, 0), row_bytes_of(buf),
+                         page_size[k], bytes_per_token[k], read_bytes[k], offset_bytes[k], mode);
   }
-  if (out.count == 0) out.mode = static_cast<int32_t>(RealKvHashMode::NONE);
-  if (out.mode == static_cast<int32_t>(RealKvHashMode::NONE)) out.count = 0;
   return out;
 }
 
@@ -181,8 +182,7 @@ inline ffi::Error check_sources(const char* op, const ffi::RemainingArgs& srcs, 
     if (k >= static_cast<int64_t>(page_size.size()) || k >= static_cast<int64_t>(bytes_per_token.size()) ||
         k >= static_cast<int64_t>(read_bytes.size()) || k >= static_cast<int64_t>(offset_bytes.size()))
       return invalid(op, "the geometry attributes must have an entry for each of the " + num(n) + " sources");
-    const int64_t rows = dim_or_zero(*buf, 0);
-    const int64_t row_bytes = rows > 0 ? static_cast<int64_t>(buf->size_bytes()) / rows : 0;
+    const int64_t rows = dim_or_zero(*buf, 0), row_bytes = row_bytes_of(*buf);
     const int64_t ps = page_size[k], bpt = bytes_per_token[k], off = offset_bytes[k];
     const int64_t eff = mode == static_cast<int32_t>(RealKvHashMode::PARTIAL) ? REAL_KV_PARTIAL_BYTES : read_bytes[k];
     if (ps < 1 || bpt <= 0 || bpt % REAL_KV_CHUNK_BYTES || eff <= 0 || eff % REAL_KV_CHUNK_BYTES || eff > bpt ||

@@ -64,9 +64,10 @@ from ...runtime.episodes import EpisodeLog
 from ...runtime.monitor import Monitor, counter_snapshot
 from ...runtime.multidevice import global_view, local_view
 from ...runtime.sweep import DEFAULT_MIN_CAPACITY, bucket_capacity, build_group_sweep_plans
-from .layout import LegacyRunner, page_table_batch, real_kv_sources, runner_layout, step_arrays
+from .layout import (LegacyRunner, page_table_batch, real_kv_sources, replicated, runner_layout,
+                     step_arrays)
 from .metrics import COUNTERS_INTERVAL, CanaryTotals, PrometheusCounters
-from .tokens import TokenMirror
+from .tokens import TokenMirror, with_intended_tokens
 
 LOGGER = logging.getLogger("jax_kvcanary")
 
@@ -384,6 +385,9 @@ class SglangJaxCanary:
             ep = self._endpoints(arrays["seq_lens"].shape[0], arrays["cache_loc"].shape[0])
             batch = page_table_batch(arrays, decode=decode, page_size=page_size, aligned=aligned,
                                      mesh=mesh)
+            if "token_pool" in arrays:
+                batch = with_intended_tokens(batch, arrays["token_pool"],
+                                             replicated(mesh)(arrays["req_pool_indices"]))
             hint = cost_hint(cstate)
             cstate, ctx = ep.head(cstate, batch)
             sources = real_kv_sources(kv0, mode) if mode else {}

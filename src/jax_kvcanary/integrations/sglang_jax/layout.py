@@ -36,7 +36,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ...consts import RealKvHashMode
 from ...inputs import RealKvSource
 from ...runtime.endpoints import CanaryBatch
-from .tokens import expected_inputs
 
 #: attention backends whose reads of ``cache_loc`` the canary models (``segment_starts``)
 ATTENTION_BACKENDS = ("native", "fa")
@@ -114,7 +113,7 @@ def segment_starts(seq_lens, page_size: int, aligned: bool):
     return jnp.cumsum(span) - span
 
 
-def _replicated(mesh):
+def replicated(mesh):
     """Inside the jit: an int32 copy of a batch array, replicated over ``mesh`` (sglang-jax shards
     its batch arrays over the ``data`` axis; the canary's plan reads every row). ``mesh=None``:
     inside ``shard_map``, where the arrays come in replicated already."""
@@ -145,14 +144,11 @@ def page_table_batch(arrays: dict, *, decode: bool, page_size: int, aligned: boo
       mesh: the engine's mesh (its batch arrays are sharded over ``data``; the plan reads them
         replicated); None inside ``shard_map`` (the arrays are passed in replicated).
 
-    With ``arrays["token_pool"]`` (``tokens.TokenMirror.pool``) the batch also carries the
-    intended tokens and positions of the write-input assert and the token pool of the token check.
-
     Batch row ``r`` is live when ``req_pool_indices[r] >= 0`` (padding rows have -1 and
     ``seq_len`` 0); EXTEND rows take ``extend_prefix_lens`` / ``extend_seq_lens``, DECODE rows a
     prefix of ``seq_len - 1`` and one token. Padded tokens (id 0, position 0, ``out_cache_loc``
     -1) are skipped by the write."""
-    get = _replicated(mesh)
+    get = replicated(mesh)
     seq_lens = get(arrays["seq_lens"])
     live = (get(arrays["req_pool_indices"]) >= 0) & (seq_lens > 0)
     seq = jnp.where(live, seq_lens, 0)
@@ -165,19 +161,10 @@ def page_table_batch(arrays: dict, *, decode: bool, page_size: int, aligned: boo
     else:
         raise ValueError("kv-canary: an EXTEND step without extend lengths is not supported by the "
                          "sglang-jax integration")
-    batch = CanaryBatch(live.astype(jnp.int32), prefix, extend, get(arrays["cache_loc"]),
-                        get(arrays["input_ids"]), get(arrays["positions"]),
-                        get(arrays["out_cache_loc"]),
-                        req_to_token_row_starts=segment_starts(seq, page_size, aligned))
-    pool = arrays.get("token_pool")
-    if pool is None:
-        return batch
-    # the intended tokens (``tokens.TokenMirror``): the plan's rows name their pool rows (+ 1)
-    rows = jnp.where(live, get(arrays["req_pool_indices"]) + 1, 0)
-    tokens, positions = expected_inputs(pool, rows, prefix, extend, batch.input_ids,
-                                        batch.positions)
-    return batch._replace(req_pool_indices=rows, token_pool=pool, token_valid_lens=prefix + extend,
-                          expected_input_tokens=tokens, expected_input_positions=positions)
+    return CanaryBatch(live.astype(jnp.int32), prefix, extend, get(arrays["cache_loc"]),
+                       get(arrays["input_ids"]), get(arrays["positions"]),
+                       get(arrays["out_cache_loc"]),
+                       req_to_token_row_starts=segment_starts(seq, page_size, aligned))
 
 
 # -- the two runner layouts ---------------------------------------------------------------------------

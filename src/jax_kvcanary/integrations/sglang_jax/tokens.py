@@ -37,6 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ...runtime.endpoints import CanaryBatch
+from .layout import replicated
+
 #: tokens per host-to-device chunk of ``host_tokens`` (one compiled ``apply`` for every size)
 CHUNK = 512
 #: the pool's "unknown" value (compared as "no check")
@@ -48,17 +51,29 @@ def _apply(pool, chunk):
     return pool.at[chunk[0], chunk[1]].set(chunk[2], mode="drop")
 
 
-def _record(pool, req_pool_indices, seq_lens, next_token_ids, sharding=None):
-    """Store each live batch row's sampled token at (``rp + 1``, ``seq_len``); ``sharding``: the
-    pool's, which the engine's batch arrays (sharded over its ``data`` axis) are brought to."""
-    reshard = getattr(jax.sharding, "reshard", None)
-    if sharding is not None and reshard is not None:
-        req_pool_indices, seq_lens, next_token_ids = (
-            reshard(x, sharding) for x in (req_pool_indices, seq_lens, next_token_ids))
+def _record(pool, req_pool_indices, seq_lens, next_token_ids, mesh=None):
+    """Store each live batch row's sampled token at (``rp + 1``, ``seq_len``); the engine's batch
+    arrays (sharded over its mesh's ``data`` axis) are read replicated, as the pool is."""
+    get = replicated(mesh)
+    req_pool_indices, seq_lens, next_token_ids = map(get, (req_pool_indices, seq_lens,
+                                                           next_token_ids))
     n = min(req_pool_indices.shape[0], seq_lens.shape[0], next_token_ids.shape[0])
     rp, seq = req_pool_indices[:n], seq_lens[:n]
     rows = jnp.where((rp >= 0) & (seq > 0), rp + 1, pool.shape[0])
-    return pool.at[rows, seq].set(next_token_ids[:n].astype(pool.dtype), mode="drop")
+    return pool.at[rows, seq].set(next_token_ids[:n], mode="drop")
+
+
+def with_intended_tokens(batch: CanaryBatch, pool, req_pool_indices) -> CanaryBatch:
+    """Inside the step's launch: ``batch`` (``layout.page_table_batch``) with the intended tokens
+    of ``pool`` (``TokenMirror.pool``): its plan rows name their pool rows (``req_pool_indices``
+    + 1, replicated int32; 0 stays padding), the token pool and valid lengths of the token check,
+    and the expected tokens and positions of the write-input assert (``expected_inputs``)."""
+    rows = jnp.where(batch.req_pool_indices != 0, req_pool_indices + 1, 0)
+    tokens, positions = expected_inputs(pool, rows, batch.prefix_lens, batch.extend_seq_lens,
+                                        batch.input_ids, batch.positions)
+    return batch._replace(req_pool_indices=rows, token_pool=pool,
+                          token_valid_lens=batch.prefix_lens + batch.extend_seq_lens,
+                          expected_input_tokens=tokens, expected_input_positions=positions)
 
 
 def expected_inputs(pool, rows, prefix_lens, extend_lens, input_ids, positions):
@@ -103,7 +118,7 @@ class TokenMirror:
         self.shape = (int(num_rows) + 1, int(num_cols))
         self.sharding = NamedSharding(mesh, PartitionSpec())
         self._apply = jax.jit(_apply, donate_argnums=(0,), out_shardings=self.sharding)
-        self._record = jax.jit(functools.partial(_record, sharding=self.sharding),
+        self._record = jax.jit(functools.partial(_record, mesh=mesh),
                                donate_argnums=(0,), out_shardings=self.sharding)
         self._sent = {}          # pool row -> (request id, positions sent); scheduler thread
         self._pending = {}       # batch id -> device chunks of its EXTEND tokens
