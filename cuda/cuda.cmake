@@ -48,7 +48,7 @@ set_target_properties(kvcanary_cuda_kernels PROPERTIES
   POSITION_INDEPENDENT_CODE ON
   CUDA_VISIBILITY_PRESET hidden
   CUDA_RUNTIME_LIBRARY Static)
-target_include_directories(kvcanary_cuda_kernels PRIVATE cuda)
+target_include_directories(kvcanary_cuda_kernels PRIVATE csrc cuda)
 target_compile_options(kvcanary_cuda_kernels PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:-O3 -Xcompiler=-Wall,-Wextra -Xptxas=-warn-spills,-warn-lmem-usage>)
 if(JAX_KVCANARY_WERROR)
@@ -58,7 +58,7 @@ endif()
 
 nanobind_add_module(_kvcanary_cuda NB_STATIC cuda/cuda_module.cc cuda/cuda_handlers.cc)
 target_include_directories(_kvcanary_cuda SYSTEM PRIVATE ${XLA_DIR})
-target_include_directories(_kvcanary_cuda PRIVATE cuda)
+target_include_directories(_kvcanary_cuda PRIVATE csrc cuda)
 target_compile_options(_kvcanary_cuda PRIVATE -Wall -Wextra -O3)
 if(JAX_KVCANARY_WERROR)
   target_compile_options(_kvcanary_cuda PRIVATE -Werror)

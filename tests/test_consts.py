@@ -1,4 +1,4 @@
-"""consts.py is the one Python source of truth; cuda/canary_core.h must mirror every value (format.md §2)."""
+"""consts.py is the one Python source of truth; csrc/canary_core.h must mirror every value (format.md §2)."""
 
 import pathlib
 import re
@@ -6,7 +6,7 @@ import re
 import jax_kvcanary as kvc
 from jax_kvcanary import consts
 
-HEADER = pathlib.Path(__file__).resolve().parents[1] / "cuda" / "canary_core.h"
+HEADER = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "canary_core.h"
 
 
 def header_text():

@@ -1,4 +1,4 @@
-"""The native CPU launchers on several threads (cuda/cpu_parallel.h): launches large enough to be cut
+"""The native CPU launchers on several threads (csrc/cpu_parallel.h): launches large enough to be cut
 into chunks give the reference's bytes, the same as with one thread (``set_cpu_threads(1)``), with
 rows in every chunk, rows past the ring, and writes whose requests are not independent (a slot in two
 requests, a seed written in the same launch: the sequential fallback). The small-chunk paths are also

@@ -34,8 +34,8 @@ from tests.support.cases import CONFIGS, OPS, compare, describe_case, make_case,
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMU_DIR = os.path.join(ROOT, "tests", "cuda_emu")
 KERNELS = os.path.join(ROOT, "cuda", "cuda_kernels.cu")
-SOURCES = [os.path.join(ROOT, "cuda", f) for f in ("cuda_kernels.cu", "cuda_kernels.h", "cuda_geometry.h",
-                                                   "canary_core.h")] + \
+SOURCES = [os.path.join(ROOT, "cuda", f) for f in ("cuda_kernels.cu", "cuda_kernels.h", "cuda_geometry.h")] + \
+          [os.path.join(ROOT, "csrc", "canary_core.h")] + \
           [os.path.join(EMU_DIR, f) for f in ("cuda_runtime.h", "emu_driver.cc")]
 SEEDS = int(os.environ.get("KVC_EMU_SEEDS", "4"))
 
@@ -68,7 +68,7 @@ def _compile(name: str, flags) -> str:
     if not os.path.exists(so):
         tmp = so + f".{os.getpid()}.tmp"
         cmd = [cxx, "-std=c++20", "-O1", "-pthread", "-fPIC", "-shared", "-Wall", "-Wextra",
-               "-Wno-unknown-pragmas", "-I", EMU_DIR, "-I", os.path.join(ROOT, "cuda"),
+               "-Wno-unknown-pragmas", "-I", EMU_DIR, "-I", os.path.join(ROOT, "cuda"), "-I", os.path.join(ROOT, "csrc"),
                *flags, "-x", "c++", KERNELS, os.path.join(EMU_DIR, "emu_driver.cc"), "-o", tmp]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:

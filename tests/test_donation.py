@@ -261,9 +261,8 @@ def test_native_handlers_return_no_data_dependent_errors():
     A CUDA handler's host code cannot see device values without a device->host copy or a sync
     (which the graph-safety rule of docs/design.md forbids anyway), so its errors
     (launch/resource/alignment) cannot depend on data as long as there is none: check that."""
-    cuda_dir = ROOT / "cuda"
-    cpu = [cuda_dir / f for f in ("ffi_handlers.h", "cpu_handlers.cc", "cpu_handlers.h", "cpu_launchers.h")]
-    gpu = [cuda_dir / f for f in ("cuda_handlers.cc", "cuda_kernels.h", "cuda_kernels.cu")]
+    cpu = [ROOT / "csrc" / f for f in ("ffi_handlers.h", "cpu_handlers.cc", "cpu_handlers.h", "cpu_launchers.h")]
+    gpu = [ROOT / "cuda" / f for f in ("cuda_handlers.cc", "cuda_kernels.h", "cuda_kernels.cu")]
     assert all(p.is_file() for p in cpu + gpu)
     offenders = []
     allowed = 'return ffi::Error::InvalidArgument(std::string("kv-canary: ") + op + ": " + what);'
@@ -273,7 +272,7 @@ def test_native_handlers_return_no_data_dependent_errors():
             for m in re.finditer(r"ffi::Error::(\w+)|ffi::Error\s*\(\s*[^)\s]|XLA_FFI_Error_Create|absl::\w+Error", code):
                 if m.group(1) != "Success" and code.strip() != allowed:
                     offenders.append(f"{path.name}:{n + 1}: {line.strip()}")
-    handlers = (cuda_dir / "ffi_handlers.h").read_text()
+    handlers = (ROOT / "csrc" / "ffi_handlers.h").read_text()
     checks = re.findall(r"^inline ffi::Error (check_\w+)\(.*?^}$", handlers, re.S | re.M)
     assert {"check_index_rank", "check_index", "check_log", "check_sources", "check_verify",
             "check_write", "check_plan"} <= set(checks), checks

@@ -3,7 +3,7 @@
 //
 // Built by the test with g++ together with cuda/cuda_kernels.cu (its own translation unit):
 // -I tests/cuda_emu (first, for the stand-in) -I cuda. The core argument structs are filled from raw
-// host arrays as the FFI handlers (cuda/ffi_handlers.h) fill them from buffers; the *_enqueue
+// host arrays as the FFI handlers (csrc/ffi_handlers.h) fill them from buffers; the *_enqueue
 // functions, the kernels and canary_core.h are the production code.
 #include <cstdio>
 #include <cstdlib>

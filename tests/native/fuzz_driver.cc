@@ -1,4 +1,4 @@
-// fuzz_driver.cc: seeded fuzzing of the native launchers (cuda/cpu_launchers.h) with malformed data.
+// fuzz_driver.cc: seeded fuzzing of the native launchers (csrc/cpu_launchers.h) with malformed data.
 //
 // Every case builds exact-size heap buffers (so AddressSanitizer flags any byte read or written
 // outside them), fills them with malformed values (negative and huge slots, seeds, predecessors, LUT
