@@ -443,8 +443,8 @@ KVC_HD int64_t write_active(int64_t num_valid_reqs, int64_t capacity) {
   return clamp64(num_valid_reqs, 0, capacity);
 }
 
-// Monotone clamp of the offsets: o[k] = clamp(max(offsets[0..k]), 0, N) (format.md §7.3); this form lets
-// a launcher compute it with a prefix-max scan.
+// Monotone clamp of the offsets: o[k] = clamp(max(offsets[0..k]), 0, N) (format.md §7.3). A launcher
+// takes the prefix max (a loop, or a max-scan on the device) and clamps it here.
 KVC_HD int64_t clamp_offset(int64_t running_max, int64_t num_tokens) { return clamp64(running_max, 0, num_tokens); }
 
 // The pieces of one request, so that a parallel launcher runs the same code as the sequential loop
@@ -514,6 +514,52 @@ struct SeedHash {
   uint64_t hash;
 };
 
+// The chain of one request (format.md §7.3): the hash each non-skipped entry stores as prev_hash and
+// the position the chain-position assert expects of it. Both launchers step it: the CPU entry by
+// entry (write_request below), a CUDA block on one thread per tile (cuda_kernels.cu).
+struct WriteChain {
+  uint64_t running;  // the hash before the next entry, once the pending step is taken
+  int64_t last_pos;  // the previous non-skipped entry's position, or the seed's stored position
+  bool do_pos;       // the chain-position assert is on: the launch's flag is set and the seed is in range
+  bool pending;      // a passed entry not yet folded into `running` (the last entry of a request never is)
+  int64_t pending_tok, pending_pos;
+
+  // Request r's chain: reads its seed (emitting the WRITE_SEED OOB row), starts from the seed's
+  // successor hash (`ahead`'s when the seed still holds the record it was taken of) and position.
+  template <class T = DynamicTraits, class Emit>
+  KVC_HD static WriteChain start(const WriteArgs& a, int64_t r, bool chain_on, Emit& emit,
+                                 const SeedHash* ahead = nullptr) {
+    WriteChain c{0, 0, false, false, 0, 0};
+    const int64_t seed = write_seed<T>(a, r, emit);
+    if (seed < 0) {
+      c.running = a.canary.successor_hash(-1);
+      return c;
+    }
+    const Record s = a.canary.load(seed);
+    const bool still = ahead && ahead->rec.prev_hash == s.prev_hash && ahead->rec.token == s.token &&
+                       ahead->rec.position == s.position;
+    c.running = still ? ahead->hash : record_successor(s);
+    c.last_pos = s.position;
+    c.do_pos = chain_on;
+    return c;
+  }
+  // The hash the next non-skipped entry stores as prev_hash.
+  KVC_HD uint64_t next_hash() {
+    if (pending) running = mix3(running, static_cast<uint64_t>(pending_tok), static_cast<uint64_t>(pending_pos));
+    pending = false;
+    return running;
+  }
+  KVC_HD static int64_t position_after(int64_t pos) { return add_wrap(pos, 1); }
+  KVC_HD int64_t expected_position() const { return position_after(last_pos); }
+  // Steps past a non-skipped entry.
+  KVC_HD void pass(int64_t tok, int64_t pos) {
+    pending = true;
+    pending_tok = tok;
+    pending_pos = pos;
+    last_pos = pos;
+  }
+};
+
 // Processes request r over flat entries [lo, hi): reads the seed, emits rows in order, stores
 // records. Returns the number of counted (non-skipped) entries. With do_store false nothing is
 // stored (a count pass); the rows and the return value do not depend on it, nor on `ahead` (the
@@ -523,20 +569,7 @@ KVC_HD int64_t write_request(const WriteArgs& a, int64_t r, int64_t lo, int64_t 
                              bool do_store = true, const SeedHash* ahead = nullptr) {
   if (hi <= lo) return 0;
   const int64_t S = a.canary.num_slots;
-  const int64_t seed = write_seed<T>(a, r, emit);
-  uint64_t running = a.canary.successor_hash(-1);
-  int64_t last_pos = 0;
-  if (seed >= 0) {
-    const Record s = a.canary.load(seed);
-    const bool still = ahead && ahead->rec.prev_hash == s.prev_hash && ahead->rec.token == s.token &&
-                       ahead->rec.position == s.position;
-    running = still ? ahead->hash : record_successor(s);
-    last_pos = s.position;
-  }
-  const bool do_pos = seed >= 0 && a.chain_assert;
-  // The chain steps past an entry only when a later entry needs it: none after the request's last.
-  bool step = false;
-  int64_t step_tok = 0, step_pos = 0;
+  WriteChain chain = WriteChain::start<T>(a, r, a.chain_assert, emit, ahead);
   int64_t written = 0;
   for (int64_t i = lo; i < hi; ++i) {
 #if !defined(__CUDA_ARCH__) && defined(__GNUC__)
@@ -550,17 +583,14 @@ KVC_HD int64_t write_request(const WriteArgs& a, int64_t r, int64_t lo, int64_t 
     const int64_t slot = T::at(a.locs, i);
     if (slot < 0) continue;
     ++written;
-    if (step) running = mix3(running, static_cast<uint64_t>(step_tok), static_cast<uint64_t>(step_pos));
+    const uint64_t prev_hash = chain.next_hash();
     const int64_t tok = T::at(a.input_ids, i);
     const int64_t pos = T::at(a.positions, i);
     const int k = write_rkv_oob<T>(a, slot);
     const int64_t rkv = write_takes_fingerprint<T>(a, slot, k) ? static_cast<int64_t>(a.sources.hash(slot)) : 0;
-    write_entry_rows<T>(a, i, slot, tok, pos, k, running, do_pos, add_wrap(last_pos, 1), emit);
-    if (do_pos) last_pos = pos;
-    if (slot < S && do_store) a.canary.store(slot, Record{tok, pos, static_cast<int64_t>(running), rkv});
-    step = true;
-    step_tok = tok;
-    step_pos = pos;
+    write_entry_rows<T>(a, i, slot, tok, pos, k, prev_hash, chain.do_pos, chain.expected_position(), emit);
+    if (slot < S && do_store) a.canary.store(slot, Record{tok, pos, static_cast<int64_t>(prev_hash), rkv});
+    chain.pass(tok, pos);
   }
   return written;
 }
@@ -643,6 +673,15 @@ KVC_HD PlanEntry plan_entry(const PlanArgs& a, const PlanRow& row, int64_t r, in
   e.token = plan_pool_token(a, r, row.rp, add_wrap(pos, a.token_offset));
   e.position = pos;
   return e;
+}
+
+// The verify-entry layout of a plan (format.md §9.3): batch row r's entries start at the sum of the
+// earlier rows' vlen, saturated at vcap (no entry at or past vcap is filled). plan_start_add is
+// associative on [0, vcap], so a launcher may scan it; plan_start_len maps a row into that domain.
+KVC_HD int64_t plan_start_len(const PlanRow& row, int64_t vcap) { return row.vlen < vcap ? row.vlen : vcap; }
+KVC_HD int64_t plan_start_add(int64_t start, int64_t len, int64_t vcap) {
+  const int64_t s = start + len;
+  return s < vcap ? s : vcap;
 }
 
 // ---- launch views: the buffers of one launch, as both launchers (CPU, CUDA) take them ------------

@@ -233,27 +233,17 @@ void write_launch(const WriteArgs& a, IndexView offsets, int64_t capacity, int32
   const bool w = a.locs.is64;
   const bool same_width = a.seeds.is64 == w && a.input_ids.is64 == w && a.positions.is64 == w &&
                           (!a.input_assert || (a.exp_tokens.is64 == w && a.exp_positions.is64 == w));
+  const std::vector<int64_t> o = clamped_offsets(offsets, active, num_tokens);
   // Several threads only for a large launch of several independent requests (see above).
-  std::vector<int64_t> o;
-  int64_t chunks = active > 1 ? chunk_count(num_tokens, exec) : 1;
-  if (chunks > 1) {
-    o = clamped_offsets(offsets, active, num_tokens);
-    chunks = chunk_count(o.back() - o.front(), exec);
-    if (chunks > 1 && !write_requests_independent(a, o, chunks, exec)) chunks = 1;
-  }
+  int64_t chunks = active > 1 ? chunk_count(o.back() - o.front(), exec) : 1;
+  if (chunks > 1 && !write_requests_independent(a, o, chunks, exec)) chunks = 1;
   int64_t written = 0, rows = 0;
   with_traits(same_width, w, !a.input_assert && !a.sources.active(), [&](auto traits) {
     using T = decltype(traits);
     if (chunks == 1) {  // requests in order, each over its monotone-clamped offset range
       RingAppender emit{log.ring, log.capacity, base};
-      int64_t running_max = offsets[0];
-      int64_t lo = clamp_offset(running_max, num_tokens);
       for_requests_seeded<T>(a, 0, active, [](int64_t) { return true; }, [&](int64_t r, const SeedHash* ahead) {
-        const int64_t next = offsets[r + 1];
-        if (next > running_max) running_max = next;
-        const int64_t hi = clamp_offset(running_max, num_tokens);
-        written += write_request<T>(a, r, lo, hi, emit, /*do_store=*/true, ahead);
-        lo = hi;
+        written += write_request<T>(a, r, o[r], o[r + 1], emit, /*do_store=*/true, ahead);
       });
       rows = emit.count;
       return;
@@ -331,7 +321,7 @@ void plan_launch(const PlanArgs& a, int64_t bs, int64_t vcap, int64_t wcap, cons
     write_total = add_wrap(write_total, rows[r].wlen);
     out.offsets[r + 1] = static_cast<int32_t>(write_total);
     out.seeds[r] = static_cast<int32_t>(rows[r].seed);
-    start[r + 1] = start[r] + std::min(rows[r].vlen, vcap + 1 - start[r]);  // saturates at vcap + 1
+    start[r + 1] = plan_start_add(start[r], plan_start_len(rows[r], vcap), vcap);
   }
   const bool enable = total <= vcap;
   // Entries [0, total) only: with int64 inputs the wrap-around sum can be < 0 or smaller than the

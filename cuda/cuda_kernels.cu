@@ -40,12 +40,9 @@ struct OpSum {  // wrap-around int64 addition (associative and commutative)
 struct OpMax {
   __device__ __forceinline__ int64_t operator()(int64_t a, int64_t b) const { return a > b ? a : b; }
 };
-struct OpSatSum {  // min(a + b, cap) for a, b in [0, cap], cap < 2^31: associative on that domain
-  int64_t cap;
-  __device__ __forceinline__ int64_t operator()(int64_t a, int64_t b) const {
-    const int64_t s = a + b;
-    return s < cap ? s : cap;
-  }
+struct OpPlanStart {  // plan_start_add (canary_core.h): associative on [0, vcap]
+  int64_t vcap;
+  __device__ __forceinline__ int64_t operator()(int64_t a, int64_t b) const { return plan_start_add(a, b, vcap); }
 };
 
 // Block-wide exclusive scan of one int64 per thread (thread order = element order). Every thread of
@@ -260,15 +257,13 @@ struct WriteTile {
   int64_t slot[kWriteThreads];
   int64_t tok[kWriteThreads];
   int64_t pos[kWriteThreads];
-  uint64_t chain[kWriteThreads];
+  uint64_t prev_hash[kWriteThreads];
   uint64_t fold[kWriteThreads][MAX_REAL_KV_SOURCES];
   unsigned char fp[kWriteThreads];
   int64_t scan[kWriteThreads / 32];
-  uint64_t running;  // chain hash before the next non-skipped entry
-  int64_t last_pos;  // position of the last non-skipped entry so far (or the seed's stored position)
+  WriteChain chain;  // the request's chain (canary_core.h), stepped by thread 0
   int64_t rows;      // rows of this request so far (the WRITE_SEED row included)
   int64_t written;   // non-skipped entries so far
-  int do_pos;
 };
 
 // One request, block-cooperative. kEmit = false: count pass (rows, non-skipped entries, hash-set
@@ -291,24 +286,19 @@ __device__ RequestTotals write_request_block(const WriteLaunch& L, int64_t r, in
   const int64_t base = kEmit ? L.ctrl->base : 0;
   __syncthreads();  // the previous request's readers of sh are done
   if (t == 0) {
-    int64_t seed;
     if (kEmit) {
       RingAppender out{L.log.ring, L.log.capacity, add_wrap(base, row_start)};
-      seed = write_seed(a, r, out);
+      sh.chain = WriteChain::start(a, r, chain_on, out);
       sh.rows = out.count;
-      sh.running = a.canary.successor_hash(seed);
     } else {
       RowCounter c;
-      seed = write_seed(a, r, c);
+      sh.chain = WriteChain::start(a, r, chain_on, c);
       sh.rows = c.count;
     }
-    const bool do_pos = seed >= 0 && chain_on;
-    sh.do_pos = do_pos ? 1 : 0;
-    sh.last_pos = do_pos ? a.canary.load(seed).position : 0;
     sh.written = 0;
   }
   __syncthreads();
-  const bool do_pos = sh.do_pos != 0;
+  const bool do_pos = sh.chain.do_pos;
   const int ns = a.sources.active() ? a.sources.count : 0;
   for (int64_t t0 = lo; t0 < hi; t0 += kWriteThreads) {  // uniform bounds
     const int n_in = static_cast<int>(imin(kWriteThreads, hi - t0));
@@ -327,8 +317,8 @@ __device__ RequestTotals write_request_block(const WriteLaunch& L, int64_t r, in
     // also publish sh.* of this tile.
     int64_t last_live;
     const int64_t prev_t = block_scan_excl<kWriteThreads>(live ? t : -1, OpMax{}, -1, &last_live, sh.scan);
-    const int64_t prev_pos = prev_t >= 0 ? sh.pos[prev_t] : sh.last_pos;
-    const int64_t expected = add_wrap(prev_pos, 1);
+    const int64_t expected =
+        prev_t >= 0 ? WriteChain::position_after(sh.pos[prev_t]) : sh.chain.expected_position();
     int64_t n = 0;
     if (live) {
       RowCounter c;
@@ -355,17 +345,15 @@ __device__ RequestTotals write_request_block(const WriteLaunch& L, int64_t r, in
         for (int k = 0; k < ns; ++k) acc = RealKvSources::combine(acc, sh.fold[t][k]);
         rkv = static_cast<int64_t>(acc);
       }
-      if (t == 0) {  // the serial part: the chain step over the tile's non-skipped entries
-        uint64_t run = sh.running;
+      if (t == 0) {  // the serial part: the chain over the tile's non-skipped entries
         for (int e = 0; e < n_in; ++e) {
           if (sh.slot[e] < 0) continue;
-          sh.chain[e] = run;
-          run = mix3(run, static_cast<uint64_t>(sh.tok[e]), static_cast<uint64_t>(sh.pos[e]));
+          sh.prev_hash[e] = sh.chain.next_hash();
+          sh.chain.pass(sh.tok[e], sh.pos[e]);
         }
-        sh.running = run;
       }
       __syncthreads();
-      const uint64_t chain = live ? sh.chain[t] : 0;
+      const uint64_t chain = live ? sh.prev_hash[t] : 0;
       if (n > 0) {
         RingAppender out{L.log.ring, L.log.capacity, add_wrap(base, add_wrap(row_start, add_wrap(sh.rows, excl)))};
         write_entry_rows(a, i, slot, tok, pos, k_oob, chain, do_pos, expected, out);
@@ -387,7 +375,8 @@ __device__ RequestTotals write_request_block(const WriteLaunch& L, int64_t r, in
     if (t == 0) {
       sh.rows = add_wrap(sh.rows, tile_rows);
       sh.written += tile_live;
-      if (last_live >= 0) sh.last_pos = sh.pos[last_live];
+      // The count pass steps the chain only past the tile's last entry: it reads positions, no hash.
+      if (!kEmit && last_live >= 0) sh.chain.pass(sh.tok[last_live], sh.pos[last_live]);
     }
     __syncthreads();  // with dedup, also orders this tile's stores before the next tile's
   }
@@ -477,14 +466,14 @@ struct PlanLaunch {
   int64_t bs, vcap, wcap;
   PlanOut out;
   PlanRow* rows;    // scratch [max(bs, 1)]
-  int64_t* vstart;  // scratch [bs + 1]: min(sum of vlen[0..r), vcap)
+  int64_t* vstart;  // scratch [bs + 1]: the rows' verify-entry starts (plan_start_add)
   int64_t* filled;  // scratch [1]: entries to fill (0 when disabled)
 };
 
 __global__ void __launch_bounds__(kOneBlockThreads) plan_rows_kernel(const __grid_constant__ PlanLaunch L) {
   __shared__ int64_t smem[kOneBlockThreads / 32];
   int64_t carry_w = 0, carry_total = 0, carry_start = 0;
-  const OpSatSum sat{L.vcap};
+  const OpPlanStart sat{L.vcap};
   for (int64_t r0 = 0; r0 < L.bs; r0 += kOneBlockThreads) {
     const int64_t r = r0 + threadIdx.x;
     const bool in = r < L.bs;
@@ -499,7 +488,8 @@ __global__ void __launch_bounds__(kOneBlockThreads) plan_rows_kernel(const __gri
     int64_t tile_w, tile_total, tile_start;
     const int64_t ew = block_scan_excl<kOneBlockThreads>(wlen, OpSum{}, 0, &tile_w, smem);
     block_scan_excl<kOneBlockThreads>(vlen, OpSum{}, 0, &tile_total, smem);
-    const int64_t es = block_scan_excl<kOneBlockThreads>(imin(vlen, L.vcap), sat, 0, &tile_start, smem);
+    const int64_t es = block_scan_excl<kOneBlockThreads>(in ? plan_start_len(row, L.vcap) : 0, sat, 0, &tile_start,
+                                                         smem);
     if (in) {
       L.out.offsets[r + 1] = static_cast<int32_t>(add_wrap(carry_w, add_wrap(ew, wlen)));
       L.vstart[r] = sat(carry_start, es);
