@@ -256,29 +256,30 @@ def test_malformed_data_in_donated_steps_completes_with_reference_bytes(impl):
 
 def test_native_handlers_return_no_data_dependent_errors():
     """Static check of the handler sources. A CPU handler sees the data, so the only error it may
-    return is the argument checks' ``InvalidArgument`` (one constructor, in ``invalid()``), and the
-    check functions (``check_*``) may read shapes, dtypes and attributes but never a buffer's data.
-    A CUDA handler's host code cannot see device values without a device->host copy or a sync
+    return is the argument checks' ``InvalidArgument`` (one constructor, in ``refused()``), and the
+    check functions (``csrc/call_args.h``) may read shapes, dtypes and attributes but never a buffer's
+    data. A CUDA handler's host code cannot see device values without a device->host copy or a sync
     (which the graph-safety rule of docs/design.md forbids anyway), so its errors
     (launch/resource/alignment) cannot depend on data as long as there is none: check that."""
-    cpu = [ROOT / "csrc" / f for f in ("ffi_handlers.h", "cpu_handlers.cc", "cpu_handlers.h", "cpu_launchers.h")]
+    cpu = [ROOT / "csrc" / f for f in ("ffi_handlers.h", "call_args.h", "cpu_handlers.cc", "cpu_handlers.h",
+                                       "cpu_launchers.h")]
     gpu = [ROOT / "cuda" / f for f in ("cuda_handlers.cc", "cuda_kernels.h", "cuda_kernels.cu")]
     assert all(p.is_file() for p in cpu + gpu)
     offenders = []
-    allowed = 'return ffi::Error::InvalidArgument(std::string("kv-canary: ") + op + ": " + what);'
+    allowed = ("inline ffi::Error refused(const std::string& message) { return ffi::Error::InvalidArgument(message); }")
     for path in cpu:
         for n, line in enumerate(path.read_text().splitlines()):
             code = line.split("//")[0]
             for m in re.finditer(r"ffi::Error::(\w+)|ffi::Error\s*\(\s*[^)\s]|XLA_FFI_Error_Create|absl::\w+Error", code):
                 if m.group(1) != "Success" and code.strip() != allowed:
                     offenders.append(f"{path.name}:{n + 1}: {line.strip()}")
-    handlers = (ROOT / "csrc" / "ffi_handlers.h").read_text()
-    checks = re.findall(r"^inline ffi::Error (check_\w+)\(.*?^}$", handlers, re.S | re.M)
-    assert {"check_index_rank", "check_index", "check_log", "check_sources", "check_verify",
-            "check_write", "check_plan"} <= set(checks), checks
-    for body in re.findall(r"^inline ffi::Error check_\w+\(.*?^}$", handlers, re.S | re.M):
-        if re.search(r"typed_data|untyped_data|\bdata\(\)", body.split("{", 1)[1]):
-            offenders.append("a check_* function reads buffer data:\n" + body[:200])
+    call_args = (ROOT / "csrc" / "call_args.h").read_text()
+    checks = call_args[call_args.index("// ---- checks"):call_args.index("// ---- launch arguments")]
+    assert {"check_verify", "check_write", "check_plan", "check_scatter"} <= set(
+        re.findall(r"^inline std::string (check_\w+)\(", checks, re.M))
+    for n, line in enumerate(checks.splitlines()):
+        if re.search(r"\.data\b", line.split("//")[0]):
+            offenders.append(f"call_args.h checks read buffer data: {line.strip()}")
     sync = re.compile(r"cudaMemcpyDeviceToHost|cudaMemcpyDefault|\bcudaMemcpy(?:2D|3D)?\s*\(|Synchronize\s*\(|"
                       r"cudaStreamQuery\s*\(|cudaMallocHost|cudaHostAlloc|cudaMallocManaged")
     for path in gpu:

@@ -168,27 +168,39 @@ def _log_outputs(log: ViolationLog):
     return (_sds(log.ring), _sds(log.write_index), _sds(log.kernel_run_counters), _sds(log.slot_run_counters))
 
 
-def _scratch(sizer: str, *dims: int) -> jax.ShapeDtypeStruct:
-    """The last result of verify / write / plan: ``uint8[n]`` device scratch of the CUDA handler. As a
-    result, XLA allocates it with the call's other buffers, so it stays valid when the call is recorded
-    into a command buffer (CUDA graph) and replayed. ``n`` comes from the CUDA module's own launch
-    geometry (``cuda/cuda_kernels.h``); 0 without it. The CPU handlers ignore it; callers drop it."""
-    n = getattr(_kvcanary_cuda, sizer)(*dims) if _kvcanary_cuda is not None else 0
-    return jax.ShapeDtypeStruct((int(n),), jnp.uint8)
+def _call(target, results, operands, attrs, *, aliases=None, scratch=None):
+    """``jax.ffi.ffi_call`` of ``target``, returning ``results``. ``scratch`` (verify, write, plan):
+    ``(sizer, *dims)`` of the CUDA kernels' device scratch, ``uint8[n]`` with ``n`` from the CUDA
+    module's launch geometry (``cuda/cuda_kernels.h``). The CUDA lowering appends it to the results,
+    so XLA allocates it with the call's other buffers and it stays valid when the call is recorded
+    into a command buffer (CUDA graph) and replayed; the CPU lowering has none."""
+    def lowering(with_scratch):
+        def run(*xs):
+            extra = ()
+            if with_scratch:
+                sizer, *dims = scratch
+                extra = (jax.ShapeDtypeStruct((int(getattr(_kvcanary_cuda, sizer)(*dims)),), jnp.uint8),)
+            call = jax.ffi.ffi_call(target, tuple(results) + extra, input_output_aliases=aliases,
+                                    vmap_method=VMAP_METHOD)
+            return tuple(call(*xs, **attrs))[:len(results)]
+        return run
+
+    if scratch is None or "gpu" not in NATIVE_PLATFORMS:
+        return lowering(False)(*operands)
+    return jax.lax.platform_dependent(*operands, cpu=lowering(False), cuda=lowering(True))
 
 
 def verify(canary, log, verify_plan, *, tag, check_verify_expected_token, real_kv_sources, real_kv_hash_mode):
     """Native verify. Returns the updated ``ViolationLog`` (ring, write_index, counters aliased)."""
     p = verify_plan
-    call = jax.ffi.ffi_call(VERIFY_TARGET, _log_outputs(log) + (
-        _scratch("verify_scratch_bytes", p.slot_indices.shape[0]),),
-                            input_output_aliases={1: 0, 2: 1, 3: 2, 4: 3}, vmap_method=VMAP_METHOD)
-    ring, write_index, kernel_counters, slot_counters, _ = call(
-        canary, log.ring, log.write_index, log.kernel_run_counters, log.slot_run_counters,
-        p.slot_indices, p.expected_tokens, p.expected_positions, p.prev_slot_indices, p.num_valid, p.enable,
-        *[s.array for s in real_kv_sources],
-        tag=np.int64(tag), check_token=np.bool_(check_verify_expected_token),
-        **_source_attrs(real_kv_sources, real_kv_hash_mode))
+    ring, write_index, kernel_counters, slot_counters = _call(
+        VERIFY_TARGET, _log_outputs(log),
+        (canary, log.ring, log.write_index, log.kernel_run_counters, log.slot_run_counters,
+         p.slot_indices, p.expected_tokens, p.expected_positions, p.prev_slot_indices, p.num_valid, p.enable,
+         *[s.array for s in real_kv_sources]),
+        dict(tag=np.int64(tag), check_token=np.bool_(check_verify_expected_token),
+             **_source_attrs(real_kv_sources, real_kv_hash_mode)),
+        aliases={1: 0, 2: 1, 3: 2, 4: 3}, scratch=("verify_scratch_bytes", p.slot_indices.shape[0]))
     return ViolationLog(ring, write_index, kernel_counters, slot_counters, log.enable_chain_position_assert)
 
 
@@ -198,16 +210,16 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag, 
     if not enable_write_input_assert:  # never read: zero-length placeholders
         expected_input_tokens = expected_input_positions = jnp.zeros((0,), jnp.int32)
     wp = write_plan
-    call = jax.ffi.ffi_call(WRITE_TARGET, (_sds(canary),) + _log_outputs(log) + (
-        _scratch("write_scratch_bytes", wp.seed_slot_indices.shape[0], input_ids.shape[0]),),
-                            input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3, 4: 4}, vmap_method=VMAP_METHOD)
-    canary, ring, write_index, kernel_counters, slot_counters, _ = call(
-        canary, log.ring, log.write_index, log.kernel_run_counters, log.slot_run_counters,
-        log.enable_chain_position_assert, wp.offsets, wp.seed_slot_indices, wp.num_valid_reqs,
-        input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions,
-        *[s.array for s in real_kv_sources],
-        tag=np.int64(tag), input_assert=np.bool_(enable_write_input_assert),
-        **_source_attrs(real_kv_sources, real_kv_hash_mode))
+    canary, ring, write_index, kernel_counters, slot_counters = _call(
+        WRITE_TARGET, (_sds(canary),) + _log_outputs(log),
+        (canary, log.ring, log.write_index, log.kernel_run_counters, log.slot_run_counters,
+         log.enable_chain_position_assert, wp.offsets, wp.seed_slot_indices, wp.num_valid_reqs,
+         input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions,
+         *[s.array for s in real_kv_sources]),
+        dict(tag=np.int64(tag), input_assert=np.bool_(enable_write_input_assert),
+             **_source_attrs(real_kv_sources, real_kv_hash_mode)),
+        aliases={0: 0, 1: 1, 2: 2, 3: 3, 4: 4},
+        scratch=("write_scratch_bytes", wp.seed_slot_indices.shape[0], input_ids.shape[0]))
     return canary, ViolationLog(ring, write_index, kernel_counters, slot_counters,
                                 log.enable_chain_position_assert)
 
@@ -227,13 +239,12 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
     i32 = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)  # noqa: E731
     vc, wc = verify_capacity, write_req_capacity
     bs = min(req_pool_indices.shape[0], wc)
-    call = jax.ffi.ffi_call(PLAN_TARGET, (i32(vc), i32(vc), i32(vc), i32(vc), i32(1), i32(1),
-                                          i32(wc + 1), i32(wc), i32(1), _scratch("plan_scratch_bytes", bs)),
-                            vmap_method=VMAP_METHOD)
-    slots, tokens, positions, prevs, num_valid, enable, offsets, seeds, num_valid_reqs, _ = call(
-        req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, lut, pool, valid_lens, starts,
-        window=np.int64(swa_window_size), token_offset=np.int64(kv_token_id_vs_position_offset),
-        has_lut=np.bool_(has_lut), has_pool=np.bool_(has_pool), has_row_starts=np.bool_(has_row_starts))
+    slots, tokens, positions, prevs, num_valid, enable, offsets, seeds, num_valid_reqs = _call(
+        PLAN_TARGET, (i32(vc), i32(vc), i32(vc), i32(vc), i32(1), i32(1), i32(wc + 1), i32(wc), i32(1)),
+        (req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, lut, pool, valid_lens, starts),
+        dict(window=np.int64(swa_window_size), token_offset=np.int64(kv_token_id_vs_position_offset),
+             has_lut=np.bool_(has_lut), has_pool=np.bool_(has_pool), has_row_starts=np.bool_(has_row_starts)),
+        scratch=("plan_scratch_bytes", bs))
     return (VerifyPlan(slots, tokens, positions, prevs, num_valid, enable),
             WritePlan(offsets, seeds, num_valid_reqs))
 
