@@ -17,7 +17,9 @@
 // Half of the launches (chosen by the seed) run on the parallel launchers: a pool of std::threads,
 // chunks of 1..5 entries, so that small cases cross chunk boundaries (cpu_parallel.h).
 //
-// usage: fuzz_driver [cases_per_op=10000] [seed=1] [op=all|verify|write|plan|scatter|cycle] [case]
+// A "checks" op fuzzes the handlers' argument checks (csrc/call_args.h) and launches what they accept.
+//
+// usage: fuzz_driver [cases_per_op=10000] [seed=1] [op=all|verify|write|plan|scatter|cycle|checks] [case]
 // Exit status 0 when nothing was found, 1 on any failure (each failure prints a rerun command).
 #include <cinttypes>
 #include <condition_variable>
@@ -33,6 +35,7 @@
 #include <thread>
 #include <vector>
 
+#include "call_args.h"
 #include "cpu_launchers.h"
 
 using namespace kvcanary;
@@ -66,7 +69,7 @@ struct Coverage {
   long launches = 0;
   long row_starts = 0;  // plan launches that read a flat table through row_starts
 };
-Coverage g_cov[6];
+Coverage g_cov[7];
 
 // A fixed pool of worker threads for the parallel launchers (cpu_parallel.h's Pool: schedule(F&&)).
 class ThreadPool {
@@ -977,12 +980,383 @@ void fuzz_cycle(Rng& g) {
   ++g_cov[g_opi].launches;
 }
 
+// ---- argument checks (csrc/call_args.h): what a handler accepts never faults -------------------------
+// A call is built as the handlers see it: array descriptions and attributes. Most calls are valid and
+// get one malformation from the op's list (a tag outside the counters, a slot stride below 32, a ring
+// row that is not 64 bytes, a short index array, a float index array, a real-KV strip past its row,
+// ...): the check must refuse those and accept the untouched ones. A quarter of the calls draw every
+// field at random instead. Whatever the check accepts is launched, like a handler would, on buffers of
+// exactly the described sizes holding random bytes, so ASan/UBSan flag any access the check let through.
+struct CallBuffers {
+  std::deque<Heap<uint8_t>> held;  // emplace_back keeps earlier buffers in place
+  // Backs `a` with `a.bytes` random bytes.
+  void back(Rng& g, Array& a) {
+    held.emplace_back(a.bytes);
+    fill_random(g, held.back().data(), a.bytes);
+    a.data = held.back().data();
+  }
+};
+
+int64_t elem_size(ElemType t) {
+  switch (t) {
+    case ElemType::U8: return 1;
+    case ElemType::S32: return 4;
+    case ElemType::S64: return 8;
+    default: return 2;  // e.g. int16 / float16
+  }
+}
+
+// An array of type t, rank 1 or 2 (dims d0 x d1), or rank 0 (a scalar).
+Array described(ElemType t, int64_t rank, int64_t d0, int64_t d1 = 1) {
+  Array a;
+  a.type = t;
+  a.rank = rank;
+  a.dim0 = rank >= 1 ? d0 : 0;
+  a.dim1 = rank >= 2 ? d1 : 0;
+  a.elements = rank == 0 ? 1 : (rank == 1 ? d0 : d0 * d1);
+  a.bytes = a.elements * elem_size(t);
+  return a;
+}
+Array index_array(Rng& g, int64_t n) { return described(g.pct(50) ? ElemType::S64 : ElemType::S32, 1, n); }
+Array i32_scalar() { return described(ElemType::S32, 1, 1); }
+ElemType random_type(Rng& g) {
+  const ElemType t[] = {ElemType::S32, ElemType::S64, ElemType::U8, ElemType::OTHER};
+  return t[g.next() % 4];
+}
+// Every field at random: any type, rank 0..3, small dims.
+Array random_array(Rng& g) {
+  Array a = described(random_type(g), g.range(0, 3), g.range(0, 9), g.range(0, 9));
+  if (a.rank == 3) a.elements *= 2, a.bytes *= 2;  // a third dimension of 2
+  return a;
+}
+
+// A malformation of a call: applying it makes the call one the check must refuse.
+template <class Call>
+using Breaker = void (*)(Rng&, Call&);
+
+LogCall valid_log(Rng& g) {
+  LogCall c;
+  c.canary = described(ElemType::U8, 2, g.range(1, 40), g.pct(70) ? 32 : 8 * g.range(4, 8));
+  c.ring = described(ElemType::U8, 2, g.range(1, 6), VIOLATION_ROW_BYTES);
+  c.write_index = i32_scalar();
+  const int64_t tags = g.range(1, NUM_LAUNCH_TAGS);
+  c.kernel_counters = described(ElemType::U8, 2, tags, COUNTER_BYTES);
+  c.slot_counters = described(ElemType::U8, 2, tags, COUNTER_BYTES);
+  c.tag = g.range(0, tags - 1);
+  return c;
+}
+void break_log(Rng& g, LogCall& c) {
+  const int64_t tags = c.kernel_counters.dim0;
+  switch (g.range(0, 7)) {
+    case 0: c.tag = g.pct(50) ? tags + g.range(0, 3) : (g.pct(50) ? -1 : int64_t(1) << 40); break;
+    case 1: c.canary = described(ElemType::U8, 2, c.canary.dim0, g.pct(50) ? 8 * g.range(0, 3) : 32 + g.range(1, 7)); break;
+    case 2: c.canary = described(ElemType::U8, 2, 0, 32); break;
+    case 3: c.ring = described(ElemType::U8, 2, c.ring.dim0, g.pct(50) ? 32 : 65); break;
+    case 4: c.ring = described(ElemType::U8, 2, 0, VIOLATION_ROW_BYTES); break;
+    case 5: c.write_index = described(ElemType::S32, 1, g.pct(50) ? 0 : 2); break;
+    case 6: c.slot_counters = described(ElemType::U8, 2, tags + 1, COUNTER_BYTES); break;
+    default: c.kernel_counters = described(ElemType::U8, 2, tags, 4); break;
+  }
+}
+
+// Real-KV sources that fit (mode NONE: none or some, unread).
+SourcesCall valid_sources(Rng& g) {
+  SourcesCall c;
+  c.attrs.mode = static_cast<int32_t>(g.range(0, 2));
+  c.count = g.pct(60) ? 0 : g.range(1, MAX_REAL_KV_SOURCES);
+  c.attrs.entries = MAX_REAL_KV_SOURCES;
+  for (int64_t k = 0; k < c.count; ++k) {
+    const int64_t bpt = REAL_KV_CHUNK_BYTES * g.range(1, 4), ps = g.range(1, 3);
+    const int64_t eff = c.attrs.mode == 1 ? REAL_KV_PARTIAL_BYTES : REAL_KV_CHUNK_BYTES * g.range(1, bpt / REAL_KV_CHUNK_BYTES);
+    c.attrs.page_size[k] = ps;
+    c.attrs.bytes_per_token[k] = bpt;
+    c.attrs.read_bytes[k] = eff;
+    c.attrs.offset_bytes[k] = REAL_KV_CHUNK_BYTES * g.range(0, (bpt - eff) / REAL_KV_CHUNK_BYTES);
+    c.src[k] = described(ElemType::U8, 2, g.range(0, 8), ps * bpt + (g.pct(30) ? REAL_KV_CHUNK_BYTES : 0));
+  }
+  return c;
+}
+void break_sources(Rng& g, SourcesCall& c) {
+  if (c.count == 0 || g.pct(30)) {
+    if (g.pct(50)) c.attrs.mode = g.pct(50) ? 3 : -1;
+    else c.count = MAX_REAL_KV_SOURCES + g.range(1, 2);
+    return;
+  }
+  c.attrs.mode = static_cast<int32_t>(g.range(1, 2));
+  const int64_t k = g.range(0, c.count - 1);
+  Array& src = c.src[k];
+  src = described(ElemType::U8, 2, g.range(1, 8), src.dim1 > 0 ? src.dim1 : REAL_KV_CHUNK_BYTES);
+  const int64_t row = src.dim1;
+  switch (g.range(0, 4)) {
+    case 0: c.attrs.page_size[k] = g.pct(50) ? 0 : row + 1; c.attrs.bytes_per_token[k] = REAL_KV_CHUNK_BYTES; break;
+    case 1: c.attrs.bytes_per_token[k] = g.pct(50) ? 0 : REAL_KV_CHUNK_BYTES + 8; break;
+    case 2: c.attrs.offset_bytes[k] = c.attrs.bytes_per_token[k]; break;  // the strip starts past the token
+    case 3: c.attrs.offset_bytes[k] = 8; break;
+    default: c.attrs.entries = k; break;  // the geometry arrays are too short
+  }
+}
+
+VerifyCall valid_verify(Rng& g) {
+  VerifyCall c;
+  c.log = valid_log(g);
+  const int64_t cap = g.range(1, 12);
+  c.slots = index_array(g, cap);
+  c.tokens = index_array(g, cap);
+  c.positions = index_array(g, cap);
+  c.prevs = index_array(g, cap);
+  c.num_valid = i32_scalar();
+  c.enable = i32_scalar();
+  c.check_token = g.pct(50);
+  c.sources = valid_sources(g);
+  return c;
+}
+const Breaker<VerifyCall> kVerifyBreakers[] = {
+    [](Rng& g, VerifyCall& c) { break_log(g, c.log); },
+    [](Rng& g, VerifyCall& c) { break_sources(g, c.sources); },
+    [](Rng&, VerifyCall& c) { c.slots = described(ElemType::S32, 1, 0); },
+    [](Rng& g, VerifyCall& c) { c.tokens = index_array(g, c.slots.dim0 + (g.pct(50) ? 1 : -1)); },
+    [](Rng& g, VerifyCall& c) { c.prevs = described(g.pct(50) ? ElemType::U8 : ElemType::OTHER, 1, c.slots.dim0); },
+    [](Rng& g, VerifyCall& c) { c.positions = described(ElemType::S64, 2, c.slots.dim0, g.range(1, 2)); },
+    [](Rng& g, VerifyCall& c) { c.num_valid = described(ElemType::S32, 1, g.pct(50) ? 0 : 2); },
+    [](Rng&, VerifyCall& c) { c.enable = described(ElemType::S64, 1, 1); },
+};
+
+WriteCall valid_write(Rng& g) {
+  WriteCall c;
+  c.log = valid_log(g);
+  const int64_t reqs = g.range(0, 6), n = g.range(0, 16);
+  c.chain_flag = i32_scalar();
+  c.seeds = index_array(g, reqs);
+  c.offsets = index_array(g, reqs + 1);
+  c.num_valid_reqs = i32_scalar();
+  c.input_ids = index_array(g, n);
+  c.positions = index_array(g, n);
+  c.locs = index_array(g, n);
+  c.input_assert = g.pct(50);
+  c.exp_tokens = index_array(g, c.input_assert ? n : (g.pct(50) ? 0 : g.range(0, 9)));
+  c.exp_positions = index_array(g, c.input_assert ? n : 0);
+  c.sources = valid_sources(g);
+  return c;
+}
+const Breaker<WriteCall> kWriteBreakers[] = {
+    [](Rng& g, WriteCall& c) { break_log(g, c.log); },
+    [](Rng& g, WriteCall& c) { break_sources(g, c.sources); },
+    [](Rng& g, WriteCall& c) { c.offsets = index_array(g, c.seeds.dim0 + (g.pct(50) ? 2 : 0)); },
+    [](Rng& g, WriteCall& c) { c.positions = index_array(g, c.input_ids.dim0 + 1); },
+    [](Rng& g, WriteCall& c) { c.locs = described(ElemType::U8, 1, c.input_ids.dim0 * (g.pct(50) ? 1 : 8)); },
+    [](Rng& g, WriteCall& c) { c.chain_flag = described(ElemType::S32, 1, g.pct(50) ? 0 : 2); },
+    [](Rng& g, WriteCall& c) {
+      c.input_assert = true;
+      c.exp_tokens = index_array(g, c.input_ids.dim0 + g.range(1, 3));
+    },
+    [](Rng& g, WriteCall& c) { c.seeds = described(ElemType::S64, 2, c.seeds.dim0, g.range(1, 2)); },
+};
+
+PlanCall valid_plan(Rng& g) {
+  PlanCall c;
+  const int64_t bs = g.range(0, 6), vcap = g.range(1, 24), wcap = bs + g.range(0, 3);
+  c.rpi = index_array(g, bs);
+  c.prefix = index_array(g, bs);
+  c.extend = index_array(g, bs);
+  c.has_row_starts = g.pct(30);
+  c.r2t = c.has_row_starts ? index_array(g, g.range(0, 30)) : described(g.pct(50) ? ElemType::S64 : ElemType::S32, 2, g.range(0, 5), g.range(0, 8));
+  c.row_starts = c.has_row_starts ? index_array(g, bs) : index_array(g, 0);
+  c.has_lut = g.pct(40);
+  c.lut = index_array(g, c.has_lut ? g.range(1, 20) : 0);
+  c.window = c.has_lut && g.pct(50) ? g.range(1, 6) : 0;
+  c.has_pool = g.pct(40);
+  c.pool = c.has_pool ? described(g.pct(50) ? ElemType::S64 : ElemType::S32, 2, g.range(0, 5), g.range(0, 8)) : described(ElemType::S32, 2, 0, 0);
+  c.valid_lens = index_array(g, c.has_pool ? bs : 0);
+  c.token_offset = g.range(-2, 2);
+  for (Array* out : {&c.slots, &c.tokens, &c.positions, &c.prevs}) *out = described(ElemType::S32, 1, vcap);
+  c.num_valid = i32_scalar();
+  c.enable = i32_scalar();
+  c.offsets = described(ElemType::S32, 1, wcap + 1);
+  c.seeds = described(ElemType::S32, 1, wcap);
+  c.num_valid_reqs = i32_scalar();
+  return c;
+}
+const Breaker<PlanCall> kPlanBreakers[] = {
+    [](Rng& g, PlanCall& c) { c.prefix = index_array(g, c.rpi.dim0 + 1); },
+    [](Rng& g, PlanCall& c) { c.extend = described(ElemType::OTHER, 1, c.rpi.dim0 + g.range(0, 1)); },
+    [](Rng& g, PlanCall& c) { c.has_row_starts = false; c.r2t = index_array(g, g.range(0, 9)); },
+    [](Rng& g, PlanCall& c) { c.has_row_starts = true; c.r2t = index_array(g, 9); c.row_starts = index_array(g, c.rpi.dim0 + 1); },
+    [](Rng&, PlanCall& c) { c.has_lut = true; c.lut = described(ElemType::S32, 1, 0); },
+    [](Rng& g, PlanCall& c) { c.has_lut = false; c.window = g.range(1, 5); },
+    [](Rng& g, PlanCall& c) { c.window = -g.range(1, 5); },
+    [](Rng& g, PlanCall& c) { c.token_offset = g.pct(50) ? int64_t(1) << 40 : int64_t(INT32_MIN) - 1; },
+    [](Rng& g, PlanCall& c) { c.has_pool = true; c.pool = index_array(g, 4); c.valid_lens = index_array(g, c.rpi.dim0); },
+    [](Rng& g, PlanCall& c) { c.has_pool = true; c.pool = described(ElemType::S32, 2, 2, 2); c.valid_lens = index_array(g, c.rpi.dim0 + 1); },
+    [](Rng& g, PlanCall& c) { c.tokens = described(ElemType::S32, 1, c.slots.elements + g.range(1, 2)); },
+    [](Rng&, PlanCall& c) { for (Array* out : {&c.slots, &c.tokens, &c.positions, &c.prevs}) *out = described(ElemType::S32, 1, 0); },
+    [](Rng&, PlanCall& c) { c.seeds = described(ElemType::S32, 1, c.rpi.dim0 - 1); c.offsets = described(ElemType::S32, 1, c.rpi.dim0); },
+    [](Rng&, PlanCall& c) { c.offsets = described(ElemType::S32, 1, c.seeds.elements); },
+    [](Rng&, PlanCall& c) { c.enable = described(ElemType::S32, 1, 2); },
+};
+
+ScatterCall valid_scatter(Rng& g) {
+  ScatterCall c;
+  const int64_t bs = g.range(0, 5);
+  c.pool = described(g.pct(50) ? ElemType::S64 : ElemType::S32, 2, g.range(0, 5), g.range(0, 8));
+  c.flat_ids = index_array(g, g.range(0, 20));
+  c.offsets = index_array(g, bs + 1);
+  c.rpi = index_array(g, bs);
+  c.result = c.pool;
+  return c;
+}
+const Breaker<ScatterCall> kScatterBreakers[] = {
+    [](Rng& g, ScatterCall& c) { c.pool = index_array(g, 6); c.result = c.pool; },
+    [](Rng& g, ScatterCall& c) { c.offsets = index_array(g, c.rpi.dim0 + (g.pct(50) ? 2 : 0)); },
+    [](Rng&, ScatterCall& c) { c.flat_ids = described(ElemType::OTHER, 1, 4); },
+    [](Rng&, ScatterCall& c) { c.result = described(c.pool.type == ElemType::S32 ? ElemType::S64 : ElemType::S32, 2, c.pool.dim0, c.pool.dim1); },
+};
+
+// Random fields, any of which may be valid.
+template <class Call>
+void randomize(Rng& g, Call& c);
+void randomize_sources(Rng& g, SourcesCall& s) {
+  s.attrs.mode = static_cast<int32_t>(g.range(-1, 3));
+  s.count = g.range(0, MAX_REAL_KV_SOURCES + 1);
+  s.attrs.entries = g.range(0, MAX_REAL_KV_SOURCES);
+  for (int64_t k = 0; k < MAX_REAL_KV_SOURCES; ++k) {
+    s.src[k] = random_array(g);
+    s.attrs.page_size[k] = pick(g, 0, 4);
+    s.attrs.bytes_per_token[k] = pick(g, 0, 64);
+    s.attrs.read_bytes[k] = pick(g, 0, 64);
+    s.attrs.offset_bytes[k] = pick(g, 0, 64);
+  }
+}
+void randomize_log(Rng& g, LogCall& c) {
+  for (Array* a : {&c.canary, &c.ring, &c.write_index, &c.kernel_counters, &c.slot_counters}) *a = random_array(g);
+  c.tag = pick(g, 0, 12);
+}
+
+template <class Call, class Check, class Launch, size_t K>
+void fuzz_call(Rng& g, Call c, Call (*valid)(Rng&), const Breaker<Call> (&breakers)[K], void (*random)(Rng&, Call&),
+               Check check, Launch launch) {
+  int broken = -1;  // -1: untouched, K: random fields
+  if (g.pct(25)) {
+    random(g, c);
+    broken = static_cast<int>(K);
+  } else {
+    c = valid(g);
+    if (g.pct(70)) {
+      broken = static_cast<int>(g.next() % K);
+      breakers[broken](g, c);
+    }
+  }
+  const std::string error = check(c);
+  Coverage& cov = g_cov[g_opi];
+  ++cov.launches;
+  if (broken == -1) CHECK(error.empty(), "a valid call was refused: %s", error.c_str());
+  if (broken >= 0 && broken < static_cast<int>(K))
+    CHECK(!error.empty(), "malformation %d was accepted", broken);
+  if (!error.empty()) {
+    CHECK(error.rfind("kv-canary: kvcanary_", 0) == 0, "message without the kv-canary: prefix: %s", error.c_str());
+    ++cov.rows;  // refused calls
+    return;
+  }
+  ++cov.zero_row_cases;  // accepted calls, launched
+  launch(g, c);
+}
+
+void random_verify(Rng& g, VerifyCall& c) {
+  randomize_log(g, c.log);
+  for (Array* a : {&c.slots, &c.tokens, &c.positions, &c.prevs, &c.num_valid, &c.enable}) *a = random_array(g);
+  c.check_token = g.pct(50);
+  randomize_sources(g, c.sources);
+}
+void random_write(Rng& g, WriteCall& c) {
+  randomize_log(g, c.log);
+  for (Array* a : {&c.chain_flag, &c.offsets, &c.seeds, &c.num_valid_reqs, &c.input_ids, &c.positions, &c.locs,
+                   &c.exp_tokens, &c.exp_positions})
+    *a = random_array(g);
+  c.input_assert = g.pct(50);
+  randomize_sources(g, c.sources);
+}
+void random_plan(Rng& g, PlanCall& c) {
+  for (Array* a : {&c.rpi, &c.prefix, &c.extend, &c.r2t, &c.lut, &c.pool, &c.valid_lens, &c.row_starts, &c.slots,
+                   &c.tokens, &c.positions, &c.prevs, &c.num_valid, &c.enable, &c.offsets, &c.seeds, &c.num_valid_reqs})
+    *a = random_array(g);
+  c.window = pick(g, 0, 4);
+  c.token_offset = pick(g, -2, 2);
+  c.has_lut = g.pct(50);
+  c.has_pool = g.pct(50);
+  c.has_row_starts = g.pct(50);
+}
+void random_scatter(Rng& g, ScatterCall& c) {
+  for (Array* a : {&c.pool, &c.flat_ids, &c.offsets, &c.rpi, &c.result}) *a = random_array(g);
+}
+
+void back_log(Rng& g, CallBuffers& b, LogCall& c) {
+  for (Array* a : {&c.canary, &c.ring, &c.write_index, &c.kernel_counters, &c.slot_counters}) b.back(g, *a);
+}
+void back_sources(Rng& g, CallBuffers& b, SourcesCall& s) {
+  for (int64_t k = 0; k < s.count && k < MAX_REAL_KV_SOURCES; ++k) b.back(g, s.src[k]);
+}
+int32_t first_i32(const Array& a) { int32_t v; std::memcpy(&v, a.data, 4); return v; }
+
+void fuzz_checks(Rng& g) {
+  switch (g.range(0, 3)) {
+    case 0:
+      fuzz_call(g, VerifyCall{}, valid_verify, kVerifyBreakers, random_verify, check_verify, [](Rng& r, VerifyCall c) {
+        CallBuffers b;
+        back_log(r, b, c.log);
+        for (Array* a : {&c.slots, &c.tokens, &c.positions, &c.prevs, &c.num_valid, &c.enable}) b.back(r, *a);
+        back_sources(r, b, c.sources);
+        with_executor(r, [&](auto exec) {
+          verify_launch(verify_args(c), c.slots.dim0, first_i32(c.num_valid), first_i32(c.enable), log_view(c.log), exec);
+        });
+      });
+      break;
+    case 1:
+      fuzz_call(g, WriteCall{}, valid_write, kWriteBreakers, random_write, check_write, [](Rng& r, WriteCall c) {
+        CallBuffers b;
+        back_log(r, b, c.log);
+        for (Array* a : {&c.chain_flag, &c.offsets, &c.seeds, &c.num_valid_reqs, &c.input_ids, &c.positions, &c.locs,
+                         &c.exp_tokens, &c.exp_positions})
+          b.back(r, *a);
+        back_sources(r, b, c.sources);
+        WriteArgs a = write_args(c);
+        a.chain_assert = first_i32(c.chain_flag) != 0;
+        with_executor(r, [&](auto exec) {
+          write_launch(a, index_view(c.offsets), c.seeds.dim0, first_i32(c.num_valid_reqs), c.input_ids.dim0,
+                       log_view(c.log), exec);
+        });
+      });
+      break;
+    case 2:
+      fuzz_call(g, PlanCall{}, valid_plan, kPlanBreakers, random_plan, check_plan, [](Rng& r, PlanCall c) {
+        CallBuffers b;
+        for (Array* a : {&c.rpi, &c.prefix, &c.extend, &c.r2t, &c.lut, &c.pool, &c.valid_lens, &c.row_starts,
+                         &c.slots, &c.tokens, &c.positions, &c.prevs, &c.num_valid, &c.enable, &c.offsets, &c.seeds,
+                         &c.num_valid_reqs})
+          b.back(r, *a);
+        with_executor(r, [&](auto exec) {
+          plan_launch(plan_args(c), c.rpi.dim0, c.slots.elements, c.seeds.elements, plan_out(c), exec);
+        });
+      });
+      break;
+    default:
+      fuzz_call(g, ScatterCall{}, valid_scatter, kScatterBreakers, random_scatter, check_scatter, [](Rng& r, ScatterCall c) {
+        CallBuffers b;
+        for (Array* a : {&c.pool, &c.flat_ids, &c.offsets, &c.rpi}) b.back(r, *a);
+        if (c.pool.type == ElemType::S64)
+          scatter_launch(static_cast<int64_t*>(c.pool.data), c.pool.dim0, c.pool.dim1, index_view(c.flat_ids),
+                         c.flat_ids.dim0, index_view(c.offsets), index_view(c.rpi), c.rpi.dim0);
+        else
+          scatter_launch(static_cast<int32_t*>(c.pool.data), c.pool.dim0, c.pool.dim1, index_view(c.flat_ids),
+                         c.flat_ids.dim0, index_view(c.offsets), index_view(c.rpi), c.rpi.dim0);
+      });
+  }
+}
+
 struct Op {
   const char* name;
   void (*fn)(Rng&);
 };
 const Op kOps[] = {{"verify", fuzz_verify}, {"write", fuzz_write}, {"plan", fuzz_plan},
-                   {"scatter", fuzz_scatter}, {"cycle", fuzz_cycle}};
+                   {"scatter", fuzz_scatter}, {"cycle", fuzz_cycle}, {"checks", fuzz_checks}};
 
 uint64_t case_seed(uint64_t seed, int op, int64_t i) {
   return sm64(sm64(seed ^ (0x1234567ull * (op + 1))) ^ static_cast<uint64_t>(i));
@@ -1033,6 +1407,11 @@ int main(int argc, char** argv) {
       kOps[op].fn(g);
     }
     const Coverage& cv = g_cov[op];
+    if (std::string(g_op) == "checks") {
+      std::printf("%-8s cases=%-7" PRId64 " refused=%-7ld accepted and launched=%ld\n", g_op, single >= 0 ? 1 : n,
+                  cv.rows, cv.zero_row_cases);
+      continue;
+    }
     std::printf("%-8s cases=%-7" PRId64 " launches=%-7ld rows=%-8ld oob_rows=%-7ld zero_row=%-6ld dropped=%-6ld "
                 "saturated=%-6ld disabled=%-6ld wrapped=%-5ld kinds=0x%" PRIx64 "\n",
                 g_op, single >= 0 ? 1 : n, cv.launches, cv.rows, cv.oob_rows, cv.zero_row_cases, cv.dropped,
@@ -1055,6 +1434,7 @@ int main(int argc, char** argv) {
     }
     CHECK(g_cov[0].disabled > 0 && g_cov[2].disabled > 0 && g_cov[2].wrapped > 0, "plan/verify edge paths unreached");
     CHECK(g_cov[2].row_starts > 0 && g_cov[4].row_starts > 0, "plan never read a flat table through row_starts");
+    CHECK(g_cov[5].rows > 0 && g_cov[5].zero_row_cases > 0, "the argument checks never refused or never accepted");
   }
   if (g_failures) {
     std::fprintf(stderr, "fuzz_driver: %ld failure(s)\n", g_failures);
