@@ -94,7 +94,9 @@ class CallCheck {
   void fail(const std::string& what) {
     if (ok()) error_ = std::string("kv-canary: ") + op_ + ": " + what;
   }
-  void require(bool cond, const std::string& what) {
+  // A fixed message; a message built from values is built only on failure (`if (!cond) fail(...)`),
+  // so that an accepted call allocates nothing.
+  void require(bool cond, const char* what) {
     if (!cond) fail(what);
   }
 
@@ -124,19 +126,19 @@ class CallCheck {
     const int64_t slots = c.canary.dim0, stride = c.canary.dim1;
     require(c.canary.type == ElemType::U8 && c.canary.rank == 2, "canary must be a uint8 [num_slots, stride] array");
     if (!ok()) return;
-    require(slots >= 1, "canary must have at least 1 slot, got " + num(slots));
-    require(stride >= CANARY_SLOT_BYTES && stride % 8 == 0,
-            "canary slot stride must be a multiple of 8 bytes and at least 32, got " + num(stride));
-    require(c.ring.type == ElemType::U8 && c.ring.rank == 2 && c.ring.dim0 >= 1 && c.ring.dim1 == VIOLATION_ROW_BYTES,
-            "log.ring must be [capacity >= 1, 64] bytes, got [" + num(c.ring.dim0) + ", " + num(c.ring.dim1) + "]");
+    if (slots < 1) fail("canary must have at least 1 slot, got " + num(slots));
+    if (stride < CANARY_SLOT_BYTES || stride % 8 != 0)
+      fail("canary slot stride must be a multiple of 8 bytes and at least 32, got " + num(stride));
+    if (!(c.ring.type == ElemType::U8 && c.ring.rank == 2 && c.ring.dim0 >= 1 && c.ring.dim1 == VIOLATION_ROW_BYTES))
+      fail("log.ring must be [capacity >= 1, 64] bytes, got [" + num(c.ring.dim0) + ", " + num(c.ring.dim1) + "]");
     count("log.write_index", c.write_index, ElemType::S32, 1);
     const Array &k = c.kernel_counters, &s = c.slot_counters;
     const int64_t tags = k.dim0;
-    require(k.type == ElemType::U8 && s.type == ElemType::U8 && k.rank == 2 && s.rank == 2 && tags >= 1 &&
-                k.dim1 == COUNTER_BYTES && s.dim0 == tags && s.dim1 == COUNTER_BYTES,
-            "log counters must both be [num_tags >= 1, 8] bytes, got [" + num(tags) + ", " + num(k.dim1) + "] and [" +
-                num(s.dim0) + ", " + num(s.dim1) + "]");
-    if (ok()) require(c.tag >= 0 && c.tag < tags, "tag must be in [0, " + num(tags) + "), got " + num(c.tag));
+    if (!(k.type == ElemType::U8 && s.type == ElemType::U8 && k.rank == 2 && s.rank == 2 && tags >= 1 &&
+          k.dim1 == COUNTER_BYTES && s.dim0 == tags && s.dim1 == COUNTER_BYTES))
+      fail("log counters must both be [num_tags >= 1, 8] bytes, got [" + num(tags) + ", " + num(k.dim1) + "] and [" +
+           num(s.dim0) + ", " + num(s.dim1) + "]");
+    if (ok() && (c.tag < 0 || c.tag >= tags)) fail("tag must be in [0, " + num(tags) + "), got " + num(c.tag));
   }
 
   // The real-KV mode, sources and their geometry (format.md §4.4): a source whose strip would reach
@@ -154,13 +156,15 @@ class CallCheck {
       const Array& src = c.src[k];
       const int64_t rows = src.dim0, row_bytes = rows > 0 ? src.bytes / rows : 0;
       const int64_t ps = g.page_size[k], bpt = g.bytes_per_token[k], off = g.offset_bytes[k];
-      const int64_t eff = g.mode == static_cast<int32_t>(RealKvHashMode::PARTIAL) ? REAL_KV_PARTIAL_BYTES : g.read_bytes[k];
+      const bool partial = g.mode == static_cast<int32_t>(RealKvHashMode::PARTIAL);
+      const int64_t eff = partial ? REAL_KV_PARTIAL_BYTES : g.read_bytes[k];
       const bool fits = ps >= 1 && bpt > 0 && bpt % REAL_KV_CHUNK_BYTES == 0 && eff > 0 &&
                         eff % REAL_KV_CHUNK_BYTES == 0 && eff <= bpt && off >= 0 && off % REAL_KV_CHUNK_BYTES == 0 &&
                         off <= bpt - eff && (rows == 0 || ps <= row_bytes / bpt);
-      require(fits, "real-KV source " + num(k) + " geometry (page_size " + num(ps) + ", bytes_per_token " + num(bpt) +
-                        ", read " + num(eff) + " bytes at offset " + num(off) + ") does not fit its rows of " +
-                        num(row_bytes) + " bytes");
+      if (!fits)
+        fail("real-KV source " + num(k) + " geometry (page_size " + num(ps) + ", bytes_per_token " + num(bpt) +
+             ", read " + num(eff) + " bytes at offset " + num(off) + ") does not fit its rows of " +
+             num(row_bytes) + " bytes");
     }
   }
 
@@ -222,9 +226,9 @@ inline std::string check_plan(const PlanCall& c) {
     if (k.ok()) k.require(c.lut.dim0 >= 1, "full_to_swa_index_mapping length must be >= 1, got 0");
   }
   k.require(c.has_lut || c.window <= 0, "a window > 0 needs full_to_swa_index_mapping (has_lut)");
-  k.require(c.window >= 0, "window must be >= 0, got " + N::num(c.window));
-  k.require(c.token_offset >= INT32_MIN && c.token_offset <= INT32_MAX,
-            "token_offset must fit in int32, got " + N::num(c.token_offset));
+  if (c.window < 0) k.fail("window must be >= 0, got " + N::num(c.window));
+  if (c.token_offset < INT32_MIN || c.token_offset > INT32_MAX)
+    k.fail("token_offset must fit in int32, got " + N::num(c.token_offset));
   if (c.has_pool) {
     k.index_rank("req_to_verify_expected_tokens", c.pool, 2);
     k.index("req_to_verify_expected_tokens_valid_lens", c.valid_lens, bs);
@@ -232,11 +236,11 @@ inline std::string check_plan(const PlanCall& c) {
   for (const Array* out : {&c.slots, &c.tokens, &c.positions, &c.prevs, &c.offsets, &c.seeds})
     k.require(out->type == ElemType::S32 && out->rank == 1, "every plan result must be a 1-D int32 array");
   k.require(vcap >= 1, "the verify entry results must hold >= 1 entry, got 0");
-  k.require(c.tokens.elements == vcap && c.positions.elements == vcap && c.prevs.elements == vcap,
-            "the four verify entry results must have the same length " + N::num(vcap));
-  k.require(bs <= wcap, "bs=" + N::num(bs) + " exceeds the write request results' " + N::num(wcap));
-  k.require(c.offsets.elements == wcap + 1,
-            "the offsets result must hold " + N::num(wcap + 1) + " entries, got " + N::num(c.offsets.elements));
+  if (c.tokens.elements != vcap || c.positions.elements != vcap || c.prevs.elements != vcap)
+    k.fail("the four verify entry results must have the same length " + N::num(vcap));
+  if (bs > wcap) k.fail("bs=" + N::num(bs) + " exceeds the write request results' " + N::num(wcap));
+  if (c.offsets.elements != wcap + 1)
+    k.fail("the offsets result must hold " + N::num(wcap + 1) + " entries, got " + N::num(c.offsets.elements));
   k.count("num_valid", c.num_valid, ElemType::S32, 1);
   k.count("enable", c.enable, ElemType::S32, 1);
   k.count("num_valid_reqs", c.num_valid_reqs, ElemType::S32, 1);
