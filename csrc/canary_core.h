@@ -2,7 +2,8 @@
 // kernels (nvcc). Nothing here allocates, syncs or knows about XLA: the launchers own the loops,
 // the ring append protocol and the buffers. Section numbers (§) refer to docs/format.md.
 //
-// Every integer constant and enum mirrors src/jax_kvcanary/consts.py (tests/test_consts.py compares).
+// Every integer constant and enum repeats src/jax_kvcanary/consts.py; the modules report them
+// (registrations.h: constants()) and jax_kvcanary/_ffi.py refuses a module whose values differ.
 #pragma once
 
 #include <cstddef>

@@ -5,6 +5,7 @@
 
 NB_MODULE(_kvcanary, m) {
   m.def("build_info", &kvcanary::build_info);
+  m.def("constants", &kvcanary::constants);
   m.def("registrations", []() {
     return kvcanary::registrations(kvcanary::kvcanary_verify_cpu, kvcanary::kvcanary_write_cpu,
                                    kvcanary::kvcanary_plan_cpu, kvcanary::kvcanary_scatter_cpu);

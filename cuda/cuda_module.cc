@@ -8,6 +8,7 @@
 
 NB_MODULE(_kvcanary_cuda, m) {
   m.def("build_info", &kvcanary::build_info);
+  m.def("constants", &kvcanary::constants);
   m.def("registrations", []() {
     return kvcanary::registrations(kvcanary::kvcanary_verify_cuda, kvcanary::kvcanary_write_cuda,
                                    kvcanary::kvcanary_plan_cuda, kvcanary::kvcanary_scatter_cuda);

@@ -1,43 +1,26 @@
-"""consts.py is the one Python source of truth; csrc/canary_core.h must mirror every value (format.md §2)."""
+"""consts.py is the one Python source of truth; the native modules compile csrc/canary_core.h's copy
+of every value (format.md §2) and report it (``constants()``), and ``_ffi`` refuses to register a
+module whose values differ."""
 
-import pathlib
-import re
+import pytest
 
 import jax_kvcanary as kvc
-from jax_kvcanary import consts
+from jax_kvcanary import _ffi, consts
 
-HEADER = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "canary_core.h"
-
-
-def header_text():
-    return HEADER.read_text()
+_kvcanary = pytest.importorskip("jax_kvcanary._kvcanary", reason="the native CPU module is not built")
 
 
-def header_scalars():
-    pat = re.compile(r"constexpr\s+(?:u?int\d+_t|int)\s+(\w+)\s*=\s*(0x[0-9A-Fa-f]+|\d+)(?:ull|ll)?;")
-    return {name: int(value, 0) for name, value in pat.findall(header_text())}
+def test_the_compiled_constants_are_consts_py():
+    assert _kvcanary.constants() == _ffi.expected_constants()
+    assert _ffi.constants_mismatch(_kvcanary.constants()) is None
 
 
-def header_enum(name):
-    body = re.search(r"enum class " + name + r"\s*:\s*\w+\s*\{(.*?)\};", header_text(), re.S).group(1)
-    return {k: int(v, 0) for k, v in re.findall(r"(\w+)\s*=\s*(\w+),", body)}
-
-
-def test_scalars_match_header():
-    scalars = header_scalars()
-    python = {k: v for k, v in vars(consts).items() if k.isupper() and isinstance(v, int)}
-    shifts = consts.SPLITMIX64_SHIFTS
-    expected = dict(python, SPLITMIX64_SHIFT1=shifts[0], SPLITMIX64_SHIFT2=shifts[1], SPLITMIX64_SHIFT3=shifts[2])
-    assert set(expected) <= set(scalars), sorted(set(expected) - set(scalars))
-    for name, value in expected.items():
-        assert scalars[name] == value, name
-
-
-def test_enums_match_header():
-    for enum_cls in (consts.FailReason, consts.LaunchTag, consts.RealKvHashMode, consts.IndexKind):
-        assert header_enum(enum_cls.__name__) == {m.name: int(m) for m in enum_cls}, enum_cls.__name__
-
-
+def test_a_module_compiled_from_other_values_is_refused():
+    native = dict(_kvcanary.constants(), **{"FailReason.WRITE_TOKEN_MISMATCH": 9})
+    why = _ffi.constants_mismatch(native)
+    assert why.startswith("its compiled constants differ from consts.py (FailReason.WRITE_TOKEN_MISMATCH: "
+                          "compiled 9, consts.py 8)")
+    assert "EXTRA: compiled 1, consts.py None" in _ffi.constants_mismatch(dict(_kvcanary.constants(), EXTRA=1))
 def test_pinned_values():
     assert kvc.CANARY_CHAIN_ANCHOR == 0xC0FFEE1234567890
     assert consts.CANARY_ANCHOR_HASH == 0xDE7FAE23A9A1B716

@@ -105,13 +105,35 @@ def build_mismatch(build_info: dict, running_api: tuple | None, running_jaxlib: 
             f"API version; {_REBUILD}")
 
 
+def expected_constants() -> dict:
+    """Every constant and enum member of ``consts.py`` under the names a native module's
+    ``constants()`` gives them (``csrc/registrations.h``)."""
+    out = {k: v for k, v in vars(consts).items() if k.isupper() and isinstance(v, int)}
+    out.update({f"SPLITMIX64_SHIFT{i + 1}": shift for i, shift in enumerate(consts.SPLITMIX64_SHIFTS)})
+    for enum in (consts.FailReason, consts.LaunchTag, consts.RealKvHashMode, consts.IndexKind):
+        out.update({f"{enum.__name__}.{m.name}": int(m) for m in enum})
+    return out
+
+
+def constants_mismatch(native: dict) -> str | None:
+    """Why a native module's compiled constants disagree with ``consts.py`` (a build from other
+    sources), or None."""
+    expected = expected_constants()
+    diff = sorted(k for k in expected.keys() | native.keys() if expected.get(k) != native.get(k))
+    if not diff:
+        return None
+    shown = ", ".join(f"{k}: compiled {native.get(k)}, consts.py {expected.get(k)}" for k in diff[:3])
+    return f"its compiled constants differ from consts.py ({shown}); {_REBUILD}"
+
+
 def _register() -> frozenset:
     platforms = set()
     running_api = running_ffi_api()
     for module, platform, name in ((_kvcanary, "cpu", "cpu"), (_kvcanary_cuda, "CUDA", "gpu")):
         if module is None:
             continue
-        why = build_mismatch(module.build_info(), running_api, jaxlib.version.__version__)
+        why = (build_mismatch(module.build_info(), running_api, jaxlib.version.__version__)
+               or constants_mismatch(module.constants()))
         if why is not None:
             REFUSED[name] = why
             continue

@@ -1,8 +1,9 @@
 """Constants and enums of the canary format: the one Python source of truth.
 
-Every integer here is mirrored, with the same value, in ``cuda/canary_core.h``
-(``tests/test_consts.py`` parses the header and compares), except ``HostCheckTag``: the host-check
-tags only ever reach the native code as a tag value, to which it attaches no meaning.
+Every integer here is repeated, with the same value, in ``csrc/canary_core.h``, except
+``HostCheckTag``: the host-check tags only ever reach the native code as a tag value, to which it
+attaches no meaning. The native modules report the values they were compiled with, and ``_ffi``
+compares them with these before it registers a module's handlers.
 """
 
 import enum
