@@ -46,8 +46,15 @@ INT32_MAX = 2**31 - 1
 # Testing hook, read at trace time: always take write's sequential chain path (normally taken only
 # when a seed slot was written earlier in the same launch). The results must not depend on it.
 FORCE_SEQUENTIAL_WRITE = False
-_OOB = int(consts.FailReason.INDEX_OUT_OF_RANGE)
 _K = consts.IndexKind
+# The fail bits of ring column 7 (consts.FailReason), as the plain ints jnp.where takes.
+_CHAIN_HASH = int(consts.FailReason.VERIFY_CHAIN_HASH_MISMATCH)
+_POSITION = int(consts.FailReason.VERIFY_POSITION_MISMATCH)
+_REAL_KV_HASH = int(consts.FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
+_WRITE_TOKEN = int(consts.FailReason.WRITE_TOKEN_MISMATCH)
+_WRITE_POSITION = int(consts.FailReason.WRITE_POSITION_MISMATCH)
+_TOKEN = int(consts.FailReason.VERIFY_TOKEN_MISMATCH)
+_OOB = int(consts.FailReason.INDEX_OUT_OF_RANGE)
 
 
 # ---- small helpers ------------------------------------------------------------------------------
@@ -295,10 +302,10 @@ def verify(canary, log, verify_plan, *, tag: int, check_verify_expected_token: b
     else:
         tok_bad = jnp.zeros(n, bool)
     exp_rkv = _rkv_hash(srcs, sc) if srcs else U.zeros(n)
-    bits = (jnp.where(chain_checked & U.ne(st_chain, exp_chain), 1, 0)
-            | jnp.where(tok_bad, 32, 0)
-            | jnp.where(U.ne(st_pos, epos), 2, 0)
-            | jnp.where((~rkv_oob) & U.ne(st_rkv, exp_rkv), 4, 0)).astype(I32)
+    bits = (jnp.where(chain_checked & U.ne(st_chain, exp_chain), _CHAIN_HASH, 0)
+            | jnp.where(tok_bad, _TOKEN, 0)
+            | jnp.where(U.ne(st_pos, epos), _POSITION, 0)
+            | jnp.where((~rkv_oob) & U.ne(st_rkv, exp_rkv), _REAL_KV_HASH, 0)).astype(I32)
     bits = jnp.where(live, bits, 0)
     masks = (slot_oob | prev_oob, rkv_oob, bits != 0)
     all_f = dict(masks=masks, slot=slot, prev=prev, slot_oob=slot_oob, epos=epos, etok=etok,
@@ -470,8 +477,8 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag: 
     slot_oob = nonskip & (slot >= S)
     m1 = slot_oob | rkv_oob
     if input_assert:
-        ibits = (jnp.where(input_ids != expected_input_tokens, 8, 0)
-                 | jnp.where(positions != expected_input_positions, 16, 0)).astype(I32)
+        ibits = (jnp.where(input_ids != expected_input_tokens, _WRITE_TOKEN, 0)
+                 | jnp.where(positions != expected_input_positions, _WRITE_POSITION, 0)).astype(I32)
         m2 = nonskip & (ibits != 0)
         et, ep = _pi(expected_input_tokens), _pi(expected_input_positions)
     else:
@@ -503,7 +510,7 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag: 
                    _pi(jnp.where(so, int(_K.WRITE_SLOT), int(_K.REAL_KV_SOURCE_0) + f["rk_first"]).astype(I32)),
                    U.where(so, _pc(S, n), _pi(f["rk_bound"])), _pc(_OOB, n)]
         input_row = [tagp, slot, f["pos"], f["tok"], f["et"], f["running"], f["ep"], _pi(f["ibits"])]
-        chain_row = [tagp, slot, f["pos"], f["tok"], f["tok"], f["running"], f["exp"], _pc(16, n)]
+        chain_row = [tagp, slot, f["pos"], f["tok"], f["tok"], f["running"], f["exp"], _pc(_WRITE_POSITION, n)]
         return _select_cols(kind, [seed_row, oob_row, input_row, chain_row])
 
     ring, write_index = _append(log, counts, build_rows)
