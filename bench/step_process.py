@@ -17,11 +17,13 @@ import subprocess
 import sys
 import tempfile
 
+from .modes import MODES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_steps(cfg: dict, seed: int, log) -> list:
-    """Times every serving step of the mode's config ``cfg`` (``bench.cli.MODES``); returns the records."""
+    """Times every serving step of the mode's config ``cfg`` (``bench.modes.MODES``); returns the records."""
     from . import overhead
 
     steps = []
@@ -70,7 +72,6 @@ def main(argv=None) -> int:
 
     import jax
 
-    from .cli import MODES
     from .report import json_default
 
     with jax.default_device(jax.devices("cpu")[0]):

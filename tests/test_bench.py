@@ -62,8 +62,8 @@ def test_fit_line():
 
 
 def test_matrix_modes():
-    from bench import cli
-    full = [n for n, _ in cli._matrix("full")]
+    from bench import modes
+    full = [n for n, _ in modes.matrix("full")]
     assert sum(n.startswith("decode ") for n in full) == 16
     assert sum(n.startswith("prefill ") for n in full) == 3
     assert any("swa w=128" in n for n in full)
@@ -71,10 +71,10 @@ def test_matrix_modes():
         for k in (1, 4):
             assert f"realkv {mode} x{k} decode bs=32 prefix=1024" in full
     assert "realkv none decode bs=32 prefix=1024" in full
-    quick = [n for n, _ in cli._matrix("quick")]
-    medium = [n for n, kw in cli._matrix("medium")]
+    quick = [n for n, _ in modes.matrix("quick")]
+    medium = [n for n, kw in modes.matrix("medium")]
     assert set(quick) <= set(medium) <= set(full)
-    assert all(kw["bs"] * max(kw["prefix"], 1) <= 1 << 20 for _, kw in cli._matrix("medium"))
+    assert all(kw["bs"] * max(kw["prefix"], 1) <= 1 << 20 for _, kw in modes.matrix("medium"))
 
 
 def test_acceptance_logic():

@@ -146,7 +146,7 @@ def _register() -> frozenset:
 NATIVE_PLATFORMS = _register()
 
 
-def set_cpu_threads(n=None) -> None:
+def set_cpu_threads(n: int | None = None) -> None:
     """Cap the threads each native CPU launch (verify, write, plan) may use; ``None`` or 0 removes the
     cap (the default: the size of XLA's intra-op thread pool), 1 runs every launch on one thread.
 

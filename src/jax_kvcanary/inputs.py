@@ -30,8 +30,9 @@ class VerifyPlan(FieldsPytree):
     _FIELDS = ("slot_indices", "expected_tokens", "expected_positions", "prev_slot_indices",
                "num_valid", "enable")
 
-    def __init__(self, slot_indices, expected_tokens, expected_positions, prev_slot_indices,
-                 num_valid, enable, has_expected_tokens=True):
+    def __init__(self, slot_indices: jax.Array, expected_tokens: jax.Array, expected_positions: jax.Array,
+                 prev_slot_indices: jax.Array, num_valid: jax.Array, enable: jax.Array,
+                 has_expected_tokens: bool = True):
         self.slot_indices = slot_indices
         self.expected_tokens = expected_tokens
         self.expected_positions = expected_positions
@@ -61,7 +62,7 @@ class WritePlan(FieldsPytree):
 
     _FIELDS = ("offsets", "seed_slot_indices", "num_valid_reqs")
 
-    def __init__(self, offsets, seed_slot_indices, num_valid_reqs):
+    def __init__(self, offsets: jax.Array, seed_slot_indices: jax.Array, num_valid_reqs: jax.Array):
         self.offsets = offsets
         self.seed_slot_indices = seed_slot_indices
         self.num_valid_reqs = num_valid_reqs
@@ -108,7 +109,8 @@ class RealKvSource:
         value (the upstream texts).
     """
 
-    def __init__(self, array, page_size, num_bytes_per_token, read_bytes, offset_bytes=0):
+    def __init__(self, array: jax.Array, page_size: int, num_bytes_per_token: int, read_bytes: int,
+                 offset_bytes: int = 0):
         page_size = _static_int("page_size", page_size)
         num_bytes_per_token = _static_int("num_bytes_per_token", num_bytes_per_token)
         read_bytes = _static_int("read_bytes", read_bytes)

@@ -7,13 +7,25 @@ inputs to their outputs.
 
 from __future__ import annotations
 
-from . import backend, checks, consts
+from typing import Literal, Optional, Union
+
+import jax
+
+from . import backend, checks
+from .consts import LaunchTag, RealKvHashMode
 from .errors import KvCanaryTypeError
-from .inputs import VerifyPlan, WritePlan
+from .inputs import RealKvSource, VerifyPlan, WritePlan
+from .state import ViolationLog
+
+#: ``real_kv_sources``: up to ``MAX_REAL_KV_SOURCES`` sources, a tuple or a list.
+RealKvSources = Union[tuple[RealKvSource, ...], list[RealKvSource]]
+#: ``impl``: the native custom call, the pure-JAX backend, or None (chosen per lowering platform).
+Impl = Optional[Literal["ffi", "xla"]]
 
 
-def verify(canary, log, verify_plan, *, tag, check_verify_expected_token=False, real_kv_sources=(),
-           real_kv_hash_mode=consts.RealKvHashMode.NONE, impl=None):
+def verify(canary: jax.Array, log: ViolationLog, verify_plan: VerifyPlan, *, tag: Union[LaunchTag, int],
+           check_verify_expected_token: bool = False, real_kv_sources: RealKvSources = (),
+           real_kv_hash_mode: Union[RealKvHashMode, int] = RealKvHashMode.NONE, impl: Impl = None) -> ViolationLog:
     """Check every active plan entry against the canary records (docs/format.md §8).
 
     Each active entry checks one chain link: the slot's stored position (and token, if asked)
@@ -70,9 +82,11 @@ def verify(canary, log, verify_plan, *, tag, check_verify_expected_token=False, 
                                     real_kv_sources=sources, real_kv_hash_mode=mode)
 
 
-def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag, enable_write_input_assert=False,
-          expected_input_tokens=None, expected_input_positions=None, real_kv_sources=(),
-          real_kv_hash_mode=consts.RealKvHashMode.NONE, impl=None):
+def write(canary: jax.Array, log: ViolationLog, write_plan: WritePlan, input_ids: jax.Array, positions: jax.Array,
+          out_cache_loc: jax.Array, *, tag: Union[LaunchTag, int], enable_write_input_assert: bool = False,
+          expected_input_tokens: Optional[jax.Array] = None, expected_input_positions: Optional[jax.Array] = None,
+          real_kv_sources: RealKvSources = (), real_kv_hash_mode: Union[RealKvHashMode, int] = RealKvHashMode.NONE,
+          impl: Impl = None) -> tuple[jax.Array, ViolationLog]:
     """Stamp the records of the slots this step fills (docs/format.md §7).
 
     Requests run in order, each over its range of the flat token arrays: every entry with a slot
@@ -137,10 +151,13 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag, 
         real_kv_sources=sources, real_kv_hash_mode=mode)
 
 
-def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify_capacity, write_req_capacity,
-         swa_window_size=0, full_to_swa_index_mapping=None, req_to_verify_expected_tokens=None,
-         req_to_verify_expected_tokens_valid_lens=None, kv_token_id_vs_position_offset=0, row_starts=None,
-         impl=None):
+def plan(req_pool_indices: jax.Array, prefix_lens: jax.Array, extend_seq_lens: jax.Array, req_to_token: jax.Array,
+         *, verify_capacity: int, write_req_capacity: int, swa_window_size: int = 0,
+         full_to_swa_index_mapping: Optional[jax.Array] = None,
+         req_to_verify_expected_tokens: Optional[jax.Array] = None,
+         req_to_verify_expected_tokens_valid_lens: Optional[jax.Array] = None,
+         kv_token_id_vs_position_offset: int = 0, row_starts: Optional[jax.Array] = None,
+         impl: Impl = None) -> tuple[VerifyPlan, WritePlan]:
     """Turn the batch metadata of a step into its verify and write work lists (docs/format.md §9).
 
     Every live batch row (``req_pool_indices != 0``) verifies its prefix (positions
@@ -226,7 +243,8 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
     return vp, wp
 
 
-def scatter_req_token_ids(pool, flat_ids, offsets, req_pool_indices, *, impl=None):
+def scatter_req_token_ids(pool: jax.Array, flat_ids: jax.Array, offsets: jax.Array, req_pool_indices: jax.Array,
+                          *, impl: Impl = None) -> jax.Array:
     """Fill the ground-truth token pool from flattened per-request id lists (docs/format.md §9.5).
 
     Batch row ``r`` copies ``flat_ids[offsets[r]:offsets[r + 1]]`` (at most ``Cp`` ids) to the start

@@ -6,7 +6,7 @@ All 64-bit quantities live in uint8 arrays (little-endian), so nothing here need
 from __future__ import annotations
 
 import operator
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,7 @@ def new_canary_buffer(num_slots: int, slot_stride_bytes: int = consts.CANARY_SLO
     return jnp.zeros((num_slots, slot_stride_bytes), jnp.uint8)
 
 
-def canary_fields(canary) -> np.ndarray:
+def canary_fields(canary: jax.Array) -> np.ndarray:
     """Host view of a canary buffer: ``int64[num_slots, 4]`` = (token, position, prev_hash, real_kv_hash)."""
     raw = np.asarray(canary)
     return np.ascontiguousarray(raw[:, : consts.CANARY_SLOT_BYTES]).view("<i8").astype(np.int64)
@@ -104,7 +104,7 @@ class ViolationRow(NamedTuple):
     fail_bits: int
 
 
-def decode_row(row, index: int = 0) -> ViolationRow:
+def decode_row(row: Union[np.ndarray, Sequence[int]], index: int = 0) -> ViolationRow:
     """A ring row (8 int64, docs/format.md §3.2) as a ``ViolationRow``; ``index`` is its ring row."""
     k, slot, pos, st, et, h, a, bits = (int(v) for v in row)
     if bits & _OOB_BIT:
@@ -142,8 +142,8 @@ class ViolationLog(FieldsPytree):
     _FIELDS = ("ring", "write_index", "kernel_run_counters", "slot_run_counters",
                "enable_chain_position_assert")
 
-    def __init__(self, ring, write_index, kernel_run_counters, slot_run_counters,
-                 enable_chain_position_assert):
+    def __init__(self, ring: jax.Array, write_index: jax.Array, kernel_run_counters: jax.Array,
+                 slot_run_counters: jax.Array, enable_chain_position_assert: jax.Array):
         self.ring = ring
         self.write_index = write_index
         self.kernel_run_counters = kernel_run_counters
@@ -152,7 +152,7 @@ class ViolationLog(FieldsPytree):
 
     @classmethod
     def create(cls, ring_capacity: int = consts.DEFAULT_RING_CAPACITY,
-               num_tags: int = consts.NUM_LAUNCH_TAGS) -> "ViolationLog":
+               num_tags: int = consts.NUM_LAUNCH_TAGS) -> ViolationLog:
         """An empty log: zero ring and counters, write_index 0, chain-position assert enabled.
 
         Args:
@@ -177,7 +177,7 @@ class ViolationLog(FieldsPytree):
             enable_chain_position_assert=jnp.ones((1,), jnp.int32),
         )
 
-    def with_chain_position_assert(self, enabled: bool) -> "ViolationLog":
+    def with_chain_position_assert(self, enabled: bool) -> ViolationLog:
         """The same log with the chain-position assert flag set (a buffer value: no recompile)."""
         flag = jnp.full((1,), 1 if enabled else 0, jnp.int32)
         return ViolationLog(self.ring, self.write_index, self.kernel_run_counters,

@@ -28,6 +28,8 @@ No host callbacks anywhere. Loop carries are marked varying under ``jax.shard_ma
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 import jax
@@ -46,8 +48,15 @@ INT32_MAX = 2**31 - 1
 # Testing hook, read at trace time: always take write's sequential chain path (normally taken only
 # when a seed slot was written earlier in the same launch). The results must not depend on it.
 FORCE_SEQUENTIAL_WRITE = False
-_OOB = int(consts.FailReason.INDEX_OUT_OF_RANGE)
 _K = consts.IndexKind
+# The fail bits of ring column 7 (consts.FailReason), as the plain ints jnp.where takes.
+_CHAIN_HASH = int(consts.FailReason.VERIFY_CHAIN_HASH_MISMATCH)
+_POSITION = int(consts.FailReason.VERIFY_POSITION_MISMATCH)
+_REAL_KV_HASH = int(consts.FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
+_WRITE_TOKEN = int(consts.FailReason.WRITE_TOKEN_MISMATCH)
+_WRITE_POSITION = int(consts.FailReason.WRITE_POSITION_MISMATCH)
+_TOKEN = int(consts.FailReason.VERIFY_TOKEN_MISMATCH)
+_OOB = int(consts.FailReason.INDEX_OUT_OF_RANGE)
 
 
 # ---- small helpers ------------------------------------------------------------------------------
@@ -295,10 +304,10 @@ def verify(canary, log, verify_plan, *, tag: int, check_verify_expected_token: b
     else:
         tok_bad = jnp.zeros(n, bool)
     exp_rkv = _rkv_hash(srcs, sc) if srcs else U.zeros(n)
-    bits = (jnp.where(chain_checked & U.ne(st_chain, exp_chain), 1, 0)
-            | jnp.where(tok_bad, 32, 0)
-            | jnp.where(U.ne(st_pos, epos), 2, 0)
-            | jnp.where((~rkv_oob) & U.ne(st_rkv, exp_rkv), 4, 0)).astype(I32)
+    bits = (jnp.where(chain_checked & U.ne(st_chain, exp_chain), _CHAIN_HASH, 0)
+            | jnp.where(tok_bad, _TOKEN, 0)
+            | jnp.where(U.ne(st_pos, epos), _POSITION, 0)
+            | jnp.where((~rkv_oob) & U.ne(st_rkv, exp_rkv), _REAL_KV_HASH, 0)).astype(I32)
     bits = jnp.where(live, bits, 0)
     masks = (slot_oob | prev_oob, rkv_oob, bits != 0)
     all_f = dict(masks=masks, slot=slot, prev=prev, slot_oob=slot_oob, epos=epos, etok=etok,
@@ -331,40 +340,47 @@ def verify(canary, log, verify_plan, *, tag: int, check_verify_expected_token: b
 
 
 # ---- WRITE (format.md §7) ----------------------------------------------------------------------------
+#
+# write() runs its parts in this order: the requests (_write_requests) and the flat entries
+# (_write_entries) from the plan, the writers sorted by slot (_writers_by_slot), the hash chain
+# (_write_chain: vectorised over requests, or sequential when a seed was written in this launch), the
+# checks of every entry (_write_checks) and their ring rows (_write_row_builder), then the records'
+# real-KV fingerprints (_write_fingerprints) and one scatter of each slot's last writer
+# (_store_records).
 
-def _lex_lower_bound(sk, si, s, t, n):
-    """First p in [0, n] with (sk[p], si[p]) >= (s, t) lexicographically; vectorised over s, t."""
-    def step(_, lh):
-        lo, hi = lh
-        mid = (lo + hi) // 2
-        mc = jnp.clip(mid, 0, n - 1)
-        kv = sk[mc]
-        iv = si[mc]
-        less = (kv < s) | ((kv == s) & (iv < t))
-        open_ = lo < hi
-        return jnp.where(open_ & less, mid + 1, lo), jnp.where(open_ & ~less, mid, hi)
+class _Requests(NamedTuple):
+    """The launch's requests (format.md §7.3): their ranges of the flat entries and their seeds.
+    ``C`` = write_req_capacity; pairs are ``(lo, hi)`` uint32 (``_u64``)."""
 
-    init = _vary((jnp.zeros(s.shape, I32), jnp.full(s.shape, n, I32)), (sk, si, s, t))
-    return lax.fori_loop(0, max(1, int(n).bit_length()), step, init)[0]
+    o: jax.Array             # int32 [C + 1]: offsets clamped to [0, N], monotone, padded past the active requests
+    o_end: jax.Array         # int32 []: end of the last active request's range
+    r_lo: jax.Array          # int32 [C]: first flat entry of each request
+    r_hi: jax.Array          # int32 [C]: one past its last
+    seeds: jax.Array         # [C]: the plan's seed slots, as given
+    seed_oob: jax.Array      # bool [C]: a non-empty request whose seed slot is >= S
+    has_seed: jax.Array      # bool [C]: a non-empty request whose seed slot is in [0, S)
+    do_pos: jax.Array        # bool [C]: the chain-position assert checks this request
+    seed_c: jax.Array        # int32 [C]: the seed slot clamped to [0, S)
+    seed_hash0: tuple        # pair [C]: the chain hash the request starts from (seed record's successor, or the anchor)
+    seed_pos0: tuple         # pair [C]: the position the chain-position assert starts from
 
 
-def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag: int,
-          enable_write_input_assert: bool, expected_input_tokens, expected_input_positions,
-          real_kv_sources: tuple, real_kv_hash_mode: int):
-    tag = int(tag)
-    input_assert = bool(enable_write_input_assert)
-    wp = write_plan
+class _Entries(NamedTuple):
+    """Every flat entry ``i`` in ``[0, N)``: its request and what it writes."""
+
+    i: jax.Array             # int32 [N]: the entry index
+    req: jax.Array           # int32 [N]: its request (clamped to [0, C))
+    active: jax.Array        # bool [N]: inside an active request's range
+    in_range: jax.Array      # bool [N]: active, slot in [0, S)
+    tok: tuple               # pair [N]: input_ids
+    pos: tuple               # pair [N]: positions
+
+
+def _write_requests(canary, log, wp, N: int) -> _Requests:
+    """The request ranges (a monotone clamp ``cummax(clip(offsets, 0, N))``) and each request's seed,
+    read from the canary before anything is written."""
     S = int(canary.shape[0])
     C = int(wp.seed_slot_indices.shape[0])
-    N = int(input_ids.shape[0])
-    srcs = _prep_sources(real_kv_sources, int(real_kv_hash_mode))
-
-    kernel = _counter_add(log.kernel_run_counters, tag, 1)
-    if N == 0:   # every range clamps to empty: only the kernel counter moves (§7.5)
-        return canary, ViolationLog(log.ring, log.write_index, kernel, log.slot_run_counters,
-                                    log.enable_chain_position_assert)
-
-    # -- request ranges: monotone clamp o = cummax(clip(offsets, 0, N)), padded past `active`
     active = jnp.clip(wp.num_valid_reqs[0], 0, C).astype(I32)
     ks = _iota(C + 1)
     o = lax.cummax(_i32(jnp.clip(wp.offsets, 0, N)), axis=0)
@@ -382,112 +398,163 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag: 
     s_tok, s_pos, s_chain, _ = _read_records(canary, seed_c)
     seed_hash0 = U.where(has_seed, U.mix3(s_chain, s_tok, s_pos), U.anchor_hash((C,)))
     seed_pos0 = U.where(do_pos, s_pos, U.zeros((C,)))
+    return _Requests(o, o_end, r_lo, r_hi, seeds, seed_oob, has_seed, do_pos, seed_c, seed_hash0, seed_pos0)
 
-    # -- flat entries
+
+def _write_entries(req: _Requests, input_ids, positions, out_cache_loc, S: int) -> _Entries:
+    """Each flat entry's request (binary search of the clamped offsets) and whether it writes."""
+    N = int(input_ids.shape[0])
+    C = int(req.r_lo.shape[0])
     i_all = _iota(N)
-    req_all = jnp.clip(_searchsorted(o[1:], i_all, "right"), 0, C - 1)
-    ent_act = (i_all >= o[0]) & (i_all < o_end)
+    req_all = jnp.clip(_searchsorted(req.o[1:], i_all, "right"), 0, C - 1)
+    ent_act = (i_all >= req.o[0]) & (i_all < req.o_end)
     nonskip_all = ent_act & (out_cache_loc >= 0)
     in_range_all = nonskip_all & (out_cache_loc < S)
-    tok_all = _pi(input_ids)
-    pos_all = _pi(positions)
+    return _Entries(i_all, req_all, ent_act, in_range_all, _pi(input_ids), _pi(positions))
 
-    # -- writers sorted by (slot, flat index): last writer per slot, and seed conflicts
-    key = jnp.where(in_range_all, _i32(jnp.clip(out_cache_loc, 0, S - 1)), S).astype(I32)
-    sk, si = lax.sort((key, i_all), num_keys=2)
-    seed_key = jnp.where(has_seed, seed_c, -1)
-    p = _lex_lower_bound(sk, si, seed_key, r_lo, N)
+
+def _lex_lower_bound(sk, si, s, t, n):
+    """First p in [0, n] with (sk[p], si[p]) >= (s, t) lexicographically; vectorised over s, t."""
+    def step(_, lh):
+        lo, hi = lh
+        mid = (lo + hi) // 2
+        mc = jnp.clip(mid, 0, n - 1)
+        kv = sk[mc]
+        iv = si[mc]
+        less = (kv < s) | ((kv == s) & (iv < t))
+        open_ = lo < hi
+        return jnp.where(open_ & less, mid + 1, lo), jnp.where(open_ & ~less, mid, hi)
+
+    init = _vary((jnp.zeros(s.shape, I32), jnp.full(s.shape, n, I32)), (sk, si, s, t))
+    return lax.fori_loop(0, max(1, int(n).bit_length()), step, init)[0]
+
+
+def _writers_by_slot(req: _Requests, ent: _Entries, out_cache_loc, S: int):
+    """The writing entries sorted by (slot, flat index), and each request's seed conflict.
+
+    Returns ``(sk, si, writer, conflict)``: ``sk`` int32 [N] the sorted slots (``S`` for entries that
+    write nothing), ``si`` int32 [N] their flat indices; ``writer`` int32 [C] the last entry before the
+    request that wrote its seed slot in this launch (-1: none); ``conflict`` bool [] any such request
+    (always True under ``FORCE_SEQUENTIAL_WRITE``)."""
+    N = int(ent.i.shape[0])
+    key = jnp.where(ent.in_range, _i32(jnp.clip(out_cache_loc, 0, S - 1)), S).astype(I32)
+    sk, si = lax.sort((key, ent.i), num_keys=2)
+    seed_key = jnp.where(req.has_seed, req.seed_c, -1)
+    p = _lex_lower_bound(sk, si, seed_key, req.r_lo, N)
     pm = jnp.clip(p - 1, 0, N - 1)
-    writer = jnp.where(has_seed & (p > 0) & (sk[pm] == seed_key), si[pm], -1)
+    writer = jnp.where(req.has_seed & (p > 0) & (sk[pm] == seed_key), si[pm], -1)
     conflict = jnp.any(writer >= 0)
     if FORCE_SEQUENTIAL_WRITE:
         conflict = jnp.asarray(True)
+    return sk, si, writer, conflict
 
-    # -- the chain: running hash stored at each entry and the chain-assert expected position
-    loop_refs = (canary, log, wp, input_ids, positions, out_cache_loc)
 
+def _chain_by_request(req: _Requests, input_ids, positions, out_cache_loc, loop_refs):
+    """The chain with every request in parallel: a ``while_loop`` over the entry index within a
+    request (depth = the longest request). Exact unless a seed was written earlier in the launch.
+    Returns uint32 [N, 4]: each entry's running hash and chain-assert expected position (pairs)."""
+    N = int(input_ids.shape[0])
+    lengths = req.r_hi - req.r_lo
+    lmax = jnp.max(lengths)
+
+    def body(state):
+        j, run, last, buf = state
+        i = req.r_lo + j
+        ic = jnp.clip(i, 0, N - 1)
+        ns = (i < req.r_hi) & (out_cache_loc[ic] >= 0)
+        tok = _pi(input_ids[ic])
+        pos = _pi(positions[ic])
+        exp = U.add_small(last, 1)
+        upd = jnp.stack([run[0], run[1], exp[0], exp[1]], -1)
+        buf = buf.at[jnp.where(ns, i, N)].set(upd, mode="drop")
+        run = U.where(ns, U.mix3(run, tok, pos), run)
+        last = U.where(ns, pos, last)
+        return j + 1, run, last, buf
+
+    init = _vary((jnp.zeros((), I32), req.seed_hash0, req.seed_pos0, jnp.zeros((N, 4), U32)), loop_refs)
+    return lax.while_loop(lambda st: st[0] < lmax, body, init)[3]
+
+
+def _chain_in_order(req: _Requests, ent: _Entries, writer, input_ids, positions, out_cache_loc, loop_refs):
+    """The chain in exact §7.3 order, one flat entry per iteration. A seed written earlier in this
+    launch reads the record its last writer stored: (token, position, running hash) of that entry,
+    whose successor hash is the running hash *after* it (columns 4-5 of the carry). Returns what
+    ``_chain_by_request`` does."""
+    N = int(input_ids.shape[0])
+
+    def body(i, state):
+        run, last, buf = state
+        r = ent.req[i]
+        start = i == req.r_lo[r]
+        w = writer[r]
+        wc = jnp.clip(w, 0, N - 1)
+        has_w = w >= 0
+        s_hash = U.where(has_w, (buf[wc, 4], buf[wc, 5]), (req.seed_hash0[0][r], req.seed_hash0[1][r]))
+        s_p = U.where(has_w & req.do_pos[r], _pi(positions[wc]), (req.seed_pos0[0][r], req.seed_pos0[1][r]))
+        run = U.where(start, s_hash, run)
+        last = U.where(start, s_p, last)
+        ns = out_cache_loc[i] >= 0
+        pos = _pi(positions[i])
+        exp = U.add_small(last, 1)
+        nxt = U.mix3(run, _pi(input_ids[i]), pos)
+        buf = buf.at[i].set(jnp.stack([run[0], run[1], exp[0], exp[1], nxt[0], nxt[1]]))
+        run = U.where(ns, nxt, run)
+        last = U.where(ns, pos, last)
+        return run, last, buf
+
+    init = _vary((U.zeros(()), U.zeros(()), jnp.zeros((N, 6), U32)), loop_refs)
+    return lax.fori_loop(req.o[0], req.o_end, body, init)[2][:, :4]
+
+
+def _write_chain(req: _Requests, ent: _Entries, writer, conflict, input_ids, positions, out_cache_loc,
+                 loop_refs):
+    """The hash chain: ``(running, expected)``, pairs [N]: the chain hash stored at each entry and the
+    position the chain-position assert expects there. ``lax.cond`` takes the in-order loop only when
+    a seed conflict makes the parallel one inexact."""
     def fast(_):
-        lengths = r_hi - r_lo
-        lmax = jnp.max(lengths)
-
-        def body(state):
-            j, run, last, buf = state
-            i = r_lo + j
-            ic = jnp.clip(i, 0, N - 1)
-            ns = (i < r_hi) & (out_cache_loc[ic] >= 0)
-            tok = _pi(input_ids[ic])
-            pos = _pi(positions[ic])
-            exp = U.add_small(last, 1)
-            upd = jnp.stack([run[0], run[1], exp[0], exp[1]], -1)
-            buf = buf.at[jnp.where(ns, i, N)].set(upd, mode="drop")
-            run = U.where(ns, U.mix3(run, tok, pos), run)
-            last = U.where(ns, pos, last)
-            return j + 1, run, last, buf
-
-        init = _vary((jnp.zeros((), I32), seed_hash0, seed_pos0, jnp.zeros((N, 4), U32)), loop_refs)
-        return lax.while_loop(lambda st: st[0] < lmax, body, init)[3]
+        return _chain_by_request(req, input_ids, positions, out_cache_loc, loop_refs)
 
     def slow(_):
-        # Exact §7.3 order, one flat entry per iteration. A seed written earlier in this launch reads
-        # the record its last writer stored: (token, position, running hash) of that entry, whose
-        # successor hash is the running hash *after* it (column 4-5 of the carry).
-        def body(i, state):
-            run, last, buf = state
-            r = req_all[i]
-            start = i == r_lo[r]
-            w = writer[r]
-            wc = jnp.clip(w, 0, N - 1)
-            has_w = w >= 0
-            s_hash = U.where(has_w, (buf[wc, 4], buf[wc, 5]), (seed_hash0[0][r], seed_hash0[1][r]))
-            s_p = U.where(has_w & do_pos[r], _pi(positions[wc]), (seed_pos0[0][r], seed_pos0[1][r]))
-            run = U.where(start, s_hash, run)
-            last = U.where(start, s_p, last)
-            ns = out_cache_loc[i] >= 0
-            pos = _pi(positions[i])
-            exp = U.add_small(last, 1)
-            nxt = U.mix3(run, _pi(input_ids[i]), pos)
-            buf = buf.at[i].set(jnp.stack([run[0], run[1], exp[0], exp[1], nxt[0], nxt[1]]))
-            run = U.where(ns, nxt, run)
-            last = U.where(ns, pos, last)
-            return run, last, buf
-
-        init = _vary((U.zeros(()), U.zeros(()), jnp.zeros((N, 6), U32)), loop_refs)
-        return lax.fori_loop(o[0], o_end, body, init)[2][:, :4]
+        return _chain_in_order(req, ent, writer, input_ids, positions, out_cache_loc, loop_refs)
 
     buf = lax.cond(conflict, slow, fast, None)
-    running_all = (buf[:, 0], buf[:, 1])
-    exp_all = (buf[:, 2], buf[:, 3])
+    return (buf[:, 0], buf[:, 1]), (buf[:, 2], buf[:, 3])
 
-    # -- everything about every flat entry (the rows gather from these)
-    n = i_all.shape
+
+def _write_checks(req: _Requests, ent: _Entries, running, expected, srcs, input_ids, positions, out_cache_loc,
+                  input_assert: bool, expected_input_tokens, expected_input_positions, S: int) -> dict:
+    """Every flat entry's checks (format.md §7.4): its four row masks, in row order (seed out of
+    range at the request's first entry, slot or source out of range, input assert, chain-position
+    assert), and every field the rows gather."""
+    n = ent.i.shape
     slot = out_cache_loc
-    nonskip = ent_act & (slot >= 0)
+    nonskip = ent.active & (slot >= 0)
     in_range = nonskip & (slot < S)
-    m0 = ent_act & (i_all == r_lo[req_all]) & seed_oob[req_all]
+    m0 = ent.active & (ent.i == req.r_lo[ent.req]) & req.seed_oob[ent.req]
     sc = _i32(jnp.clip(slot, 0, S - 1))
     rk_first, rk_row, rk_bound = _rkv_address(srcs, sc)
     rkv_oob = in_range & (rk_first >= 0)
     slot_oob = nonskip & (slot >= S)
     m1 = slot_oob | rkv_oob
     if input_assert:
-        ibits = (jnp.where(input_ids != expected_input_tokens, 8, 0)
-                 | jnp.where(positions != expected_input_positions, 16, 0)).astype(I32)
+        ibits = (jnp.where(input_ids != expected_input_tokens, _WRITE_TOKEN, 0)
+                 | jnp.where(positions != expected_input_positions, _WRITE_POSITION, 0)).astype(I32)
         m2 = nonskip & (ibits != 0)
         et, ep = _pi(expected_input_tokens), _pi(expected_input_positions)
     else:
         ibits = jnp.zeros(n, I32)
         m2 = jnp.zeros(n, bool)
         et = ep = U.zeros(n)
-    m3 = nonskip & do_pos[req_all] & U.ne(pos_all, exp_all)
-    all_f = dict(masks=(m0, m1, m2, m3), req=req_all, slot=slot, slot_oob=slot_oob, tok=tok_all, pos=pos_all,
-                 running=running_all, exp=exp_all, et=et, ep=ep, ibits=ibits, in_range=in_range,
-                 rkv_oob=rkv_oob, rk_first=rk_first, rk_row=rk_row, rk_bound=rk_bound, sc=sc,
-                 nonskip=nonskip)
+    m3 = nonskip & req.do_pos[ent.req] & U.ne(ent.pos, expected)
+    return dict(masks=(m0, m1, m2, m3), req=ent.req, slot=slot, slot_oob=slot_oob, tok=ent.tok, pos=ent.pos,
+                running=running, exp=expected, et=et, ep=ep, ibits=ibits, in_range=in_range,
+                rkv_oob=rkv_oob, rk_first=rk_first, rk_row=rk_row, rk_bound=rk_bound, sc=sc,
+                nonskip=nonskip)
 
-    counts = sum(m.astype(I32) for m in all_f["masks"])
-    written = jnp.sum(all_f["nonskip"], dtype=I32)
 
-    # -- rows
+def _write_row_builder(all_f: dict, seeds, tag: int, S: int):
+    """``build_rows(item, q)`` for ``_append``: the q-th row of entry ``item``, of the kind its masks
+    select (seed, out-of-range, input assert, chain-position assert)."""
     def build_rows(item, q):
         f = _gather(all_f, item)
         n = item.shape
@@ -503,37 +570,74 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag: 
                    _pi(jnp.where(so, int(_K.WRITE_SLOT), int(_K.REAL_KV_SOURCE_0) + f["rk_first"]).astype(I32)),
                    U.where(so, _pc(S, n), _pi(f["rk_bound"])), _pc(_OOB, n)]
         input_row = [tagp, slot, f["pos"], f["tok"], f["et"], f["running"], f["ep"], _pi(f["ibits"])]
-        chain_row = [tagp, slot, f["pos"], f["tok"], f["tok"], f["running"], f["exp"], _pc(16, n)]
+        chain_row = [tagp, slot, f["pos"], f["tok"], f["tok"], f["running"], f["exp"], _pc(_WRITE_POSITION, n)]
         return _select_cols(kind, [seed_row, oob_row, input_row, chain_row])
+    return build_rows
 
-    ring, write_index = _append(log, counts, build_rows)
 
-    # -- stores: the last writer of each slot (largest flat index), one deterministic scatter
-    if srcs:
-        rkv = _rkv_hash(srcs, all_f["sc"])
-        rkv = U.where(all_f["rkv_oob"], U.zeros((N,)), rkv)
-    else:
-        rkv = U.zeros((N,))
-    rec_lo = jnp.stack([tok_all[0], pos_all[0], running_all[0], rkv[0]], -1)
-    rec_hi = jnp.stack([tok_all[1], pos_all[1], running_all[1], rkv[1]], -1)
+def _write_fingerprints(srcs, all_f: dict, N: int):
+    """The real-KV field of each entry's record (pair [N]): the fold of its slot's bytes over the
+    sources; 0 without sources or where a source cannot address the slot."""
+    if not srcs:
+        return U.zeros((N,))
+    rkv = _rkv_hash(srcs, all_f["sc"])
+    return U.where(all_f["rkv_oob"], U.zeros((N,)), rkv)
+
+
+def _store_records(canary, sk, si, fields, write_index):
+    """Store the 32-byte records ``fields`` (4 pairs [N]: token, position, prev_hash, real_kv_hash,
+    in flat order) of each slot's last writer (the largest flat index) in one deterministic scatter.
+
+    The in-place store is made to data-depend on the updated ``write_index``, so it is ordered after
+    every earlier reader of this canary (e.g. a verify just before this write): a verify reads the
+    canary only for its checks, whose fail bits flow into the row count and so into write_index (its
+    rows gather those reads, see verify's all_f). Without this XLA cannot order the two and copies the
+    (donated) canary. The ring itself is not read here: reading any element of it made XLA recompute
+    that element from the ring parameter beside the in-place ring update, and copy the ring."""
+    S = int(canary.shape[0])
+    rec_lo = jnp.stack([f[0] for f in fields], -1)
+    rec_hi = jnp.stack([f[1] for f in fields], -1)
     nxt = jnp.concatenate([sk[1:], jnp.full((1,), -1, I32)])
     is_last = (sk < S) & (sk != nxt)
     dst = jnp.where(is_last, sk, S)
-    # Make the in-place store data-depend on the updated write_index, so it is ordered after every
-    # earlier reader of this canary (e.g. a verify just before this write): a verify reads the canary
-    # only for its checks, whose fail bits flow into the row count and so into write_index (its rows
-    # gather those reads, see verify's all_f). Without this XLA cannot order the two and copies the
-    # (donated) canary. The ring itself is not read here: reading any element of it made XLA
-    # recompute that element from the ring parameter beside the in-place ring update, and copy the
-    # ring. dep >= S, so min() is a no-op on the values.
-    dep = S + (write_index[0] & 0x7F)
+    dep = S + (write_index[0] & 0x7F)   # >= S, so min() is a no-op on the values
     dst = jnp.minimum(dst, dep)
     rec = U.to_bytes(rec_lo[si], rec_hi[si])                   # [N, 32] in sorted order
     if canary.shape[1] == consts.CANARY_SLOT_BYTES:
-        canary = canary.at[dst].set(rec, mode="drop")
-    else:
-        canary = canary.at[dst, : consts.CANARY_SLOT_BYTES].set(rec, mode="drop")
+        return canary.at[dst].set(rec, mode="drop")
+    return canary.at[dst, : consts.CANARY_SLOT_BYTES].set(rec, mode="drop")
 
+
+def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag: int,
+          enable_write_input_assert: bool, expected_input_tokens, expected_input_positions,
+          real_kv_sources: tuple, real_kv_hash_mode: int):
+    """Pure-JAX write (format.md §7); arguments as ``ops.write`` normalised them. Returns
+    ``(canary, log)``."""
+    tag = int(tag)
+    input_assert = bool(enable_write_input_assert)
+    wp = write_plan
+    S = int(canary.shape[0])
+    N = int(input_ids.shape[0])
+    srcs = _prep_sources(real_kv_sources, int(real_kv_hash_mode))
+
+    kernel = _counter_add(log.kernel_run_counters, tag, 1)
+    if N == 0:   # every range clamps to empty: only the kernel counter moves (§7.5)
+        return canary, ViolationLog(log.ring, log.write_index, kernel, log.slot_run_counters,
+                                    log.enable_chain_position_assert)
+
+    req = _write_requests(canary, log, wp, N)
+    ent = _write_entries(req, input_ids, positions, out_cache_loc, S)
+    sk, si, writer, conflict = _writers_by_slot(req, ent, out_cache_loc, S)
+    loop_refs = (canary, log, wp, input_ids, positions, out_cache_loc)
+    running, expected = _write_chain(req, ent, writer, conflict, input_ids, positions, out_cache_loc, loop_refs)
+    all_f = _write_checks(req, ent, running, expected, srcs, input_ids, positions, out_cache_loc, input_assert,
+                          expected_input_tokens, expected_input_positions, S)
+    counts = sum(m.astype(I32) for m in all_f["masks"])
+    written = jnp.sum(all_f["nonskip"], dtype=I32)
+    ring, write_index = _append(log, counts, _write_row_builder(all_f, req.seeds, tag, S))
+
+    rkv = _write_fingerprints(srcs, all_f, N)
+    canary = _store_records(canary, sk, si, (ent.tok, ent.pos, running, rkv), write_index)
     slot_ctr = _counter_add(log.slot_run_counters, tag, written)
     return canary, ViolationLog(ring=ring, write_index=write_index, kernel_run_counters=kernel,
                                 slot_run_counters=slot_ctr,

@@ -3,7 +3,7 @@ working tree's sources in a temporary directory, as-is and with small source pat
 build's handlers under suffixed FFI target names, and times them inside jit against the shipped
 ``impl='ffi'`` and the baselines, on the same scenario buffers, in interleaved rounds.
 
-    PYTHONPATH=. python -m bench.ffi_variants [--verify 32x2048,32x8192,256x4096] [--write 32x2048,32x32768]
+    PYTHONPATH=. python -m bench.experiments.ffi_variants [--verify 32x2048,32x8192,256x4096] [--write 32x2048,32x32768]
 
 Needs cmake + ninja + a C++ compiler + nanobind (the development build's requirements). Nothing in
 the tree is modified. Variants: ``as_is`` (control: must match the shipped module) and ``rkv_nodiv``
@@ -27,7 +27,7 @@ import tempfile
 import jax
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Real-KV addressing without 64-bit divisions when page_size == 1 (the token-major layout): the row
 # index is the slot and the in-row offset 0.
 RKV_DIV_PATCH = [
@@ -44,8 +44,10 @@ RKV_DIV_PATCH = [
 def build(tmp, name, patches):
     d = os.path.join(tmp, name)
     os.makedirs(d)
-    shutil.copy(os.path.join(ROOT, "CMakeLists.txt"), d)
-    shutil.copytree(os.path.join(ROOT, "cuda"), os.path.join(d, "cuda"))
+    for f in ("CMakeLists.txt", "pyproject.toml"):
+        shutil.copy(os.path.join(ROOT, f), d)
+    for sub in ("cmake", "cuda"):
+        shutil.copytree(os.path.join(ROOT, sub), os.path.join(d, sub))
     for f, old, new in patches:
         p = os.path.join(d, "cuda", f)
         text = open(p).read()
@@ -115,7 +117,7 @@ def _parse(spec):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.ffi_variants", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench.experiments.ffi_variants", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--verify", default="32x2048,32x8192,256x4096")
     ap.add_argument("--write", default="32x2048,32x32768")
@@ -123,14 +125,14 @@ def main(argv=None):
                     help="verify with real-KV sources (bs=32, prefix=1024): MODE:num_sources list")
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--target-s", type=float, default=0.01)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="write the records here (kept: bench/experiments/results/)")
     args = ap.parse_args(argv)
 
     import jax.numpy as jnp
 
     import jax_kvcanary as kvc
 
-    from . import harness, native, opbench, scenarios
+    from .. import harness, native, opbench, scenarios
 
     tmp = tempfile.mkdtemp(prefix="kvcanary-ffi-")
     names, notes = [], {}
