@@ -9,7 +9,7 @@ Needs cmake + ninja + a C++ compiler + nanobind (the development build's require
 the tree is modified. Variants: ``as_is`` (control: must match the shipped module) and ``rkv_nodiv``
 (real-KV addressing skips its 64-bit divisions when page_size == 1). Variants measured here before and
 since adopted: the verify prefetch and the per-launch specialisation of the index width
-(cuda/cpu_launchers.h). A variant whose patch no longer applies is reported as such and skipped.
+(csrc/cpu_launchers.h). A variant whose patch no longer applies is reported as such and skipped.
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ def build(tmp, name, patches):
     os.makedirs(d)
     for f in ("CMakeLists.txt", "pyproject.toml"):
         shutil.copy(os.path.join(ROOT, f), d)
-    for sub in ("cmake", "cuda"):
+    for sub in ("cmake", "csrc", "cuda"):
         shutil.copytree(os.path.join(ROOT, sub), os.path.join(d, sub))
     for f, old, new in patches:
-        p = os.path.join(d, "cuda", f)
+        p = os.path.join(d, "csrc", f)
         text = open(p).read()
         if old not in text:
             return None, f"patch no longer applies to {f}"
