@@ -4,10 +4,10 @@ registered in pyproject.toml."""
 
 import pytest
 
-from tests.support.impls import IMPLS, Ops
+from tests.support.impls import IMPL_PARAMS, Ops
 
 
-@pytest.fixture(params=IMPLS)
+@pytest.fixture(params=IMPL_PARAMS)
 def ops(request):
     return Ops(request.param)
 
