@@ -1,18 +1,15 @@
 """Shared fixtures: ``ops`` is parametrised over every implementation under test
-(``tests/support/impls.py``); GPU-marked tests skip cleanly without a CUDA GPU."""
+(``tests/support/impls.py``); GPU-marked tests skip cleanly without a CUDA GPU. The markers are
+registered in pyproject.toml."""
 
 import pytest
 
-from tests.support.impls import IMPLS, Ops
+from tests.support.impls import IMPL_PARAMS, Ops
 
 
-@pytest.fixture(params=IMPLS)
+@pytest.fixture(params=IMPL_PARAMS)
 def ops(request):
     return Ops(request.param)
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -96,7 +96,7 @@ def test_lowering_for_a_platform_without_handlers_uses_the_pure_jax_backend():
     assert "custom_call @kvcanary" not in text and "stablehlo.while" in text
 
 
-@pytest.mark.parametrize("impl", ["ffi", "xla", None])
+@pytest.mark.parametrize("impl", ["ffi", pytest.param("xla", marks=pytest.mark.slow), None])
 # Sources here hold integer bytes: inside a loop (vmap's lax.map) XLA:CPU may canonicalise the NaN
 # payloads of random-byte 16-bit float arrays before the kernel sees them (see docs/format.md §4.4).
 @pytest.mark.parametrize("op,config", [("write", "w3_i32_partial"), ("write", "w2_i64_none_srcs"),

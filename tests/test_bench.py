@@ -1,6 +1,6 @@
 """Smoke tests of the benchmark harness (bench/): timing logic on a fake clock, the native baselines'
 equivalence with the ops, the scenario matrix, the acceptance logic, and a whole tiny run writing
-JSON + Markdown + PNG + README snippet. Fast (< 30 s); no timing assertion."""
+JSON + Markdown + PNG + README snippet (~25 s, marked ``slow``); no timing assertion."""
 
 import json
 import os
@@ -148,6 +148,7 @@ def test_native_baselines_do_the_same_work():
     assert np.array_equal(after_c, np.array(cs["c_write_chain"].fn.expected))
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_every_output(tmp_path):
     import bench
 

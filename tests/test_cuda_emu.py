@@ -9,7 +9,8 @@ Two builds: ``prod`` (the production launch geometry) and ``small`` (tiny blocks
 small inputs reach the multi-tile, multi-block and grid-stride paths). What the emulation does not
 check: GPU memory ordering, warp-synchronous behaviour, performance (tests/test_gpu.py on a GPU does).
 
-``KVC_EMU_SEEDS`` (default 4) sets the seeds per cases.py config; ``KVC_EMU=0`` skips the module.
+Marked ``emu`` and ``slow`` (``-m "not emu"`` leaves it out); ``KVC_EMU_SEEDS`` (default 4) sets the
+seeds per cases.py config.
 """
 
 from __future__ import annotations
@@ -46,8 +47,7 @@ BUILDS = {
               "-DKVC_MAX_GRID_BLOCKS=3"],
 }
 
-pytestmark = pytest.mark.skipif(os.environ.get("KVC_EMU", "1") == "0", reason="KVC_EMU=0")
-
+pytestmark = [pytest.mark.emu, pytest.mark.slow]
 
 
 def _compile(name: str, flags) -> str:

@@ -26,6 +26,7 @@ def run_cli(*args, timeout=300):
     return p, time.perf_counter() - t
 
 
+@pytest.mark.slow
 def test_from_the_repository_root_the_demo_runs_the_native_backend():
     """The source tree (src/ layout) cannot shadow the installed package, whose native module the
     demo must use: the header names the backend."""
@@ -51,6 +52,7 @@ def test_default_run_is_clean_and_fast():
     assert "kv_canary violation" not in p.stderr
 
 
+@pytest.mark.slow
 def test_raise_mode_exits_non_zero():
     p, _ = run_cli("--mode", "raise", "--inject", "real_kv_used", "--steps", "24")
     assert p.returncode == 1, (p.stdout[-2000:], p.stderr[-2000:])

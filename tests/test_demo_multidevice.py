@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 
 SCRIPT = textwrap.dedent(r"""
     import json, re
@@ -64,6 +65,7 @@ SCRIPT = textwrap.dedent(r"""
 """)
 
 
+@pytest.mark.slow
 def test_four_devices_own_state_and_labels(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,

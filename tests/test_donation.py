@@ -27,9 +27,8 @@ import jax_kvcanary as kvc
 from jax_kvcanary import reference
 
 from tests.support import hlo
-from tests.support.impls import IMPLS
+from tests.support.impls import BACKEND_PARAMS
 
-BACKENDS = tuple(i for i in IMPLS if i != "reference")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 X64 = bool(jax.config.jax_enable_x64)
 
@@ -113,7 +112,7 @@ def _check_module(impl, text, donated_leaves, n_params_before):
     assert not bad, f"copies of state-shaped buffers in the donated step: {bad}"
 
 
-@pytest.mark.parametrize("impl", BACKENDS)
+@pytest.mark.parametrize("impl", BACKEND_PARAMS)
 def test_serving_step_aliases_all_state_and_copies_none(impl):
     args = _step_args()
     text = _compiled_serving_step(impl).as_text()
@@ -122,7 +121,7 @@ def test_serving_step_aliases_all_state_and_copies_none(impl):
     _check_module(impl, text, leaves, 0)
 
 
-@pytest.mark.parametrize("impl", BACKENDS)
+@pytest.mark.parametrize("impl", BACKEND_PARAMS)
 def test_single_op_steps_alias_their_state(impl):
     canary, log = _state()
     z = lambda n: jnp.zeros((n,), jnp.int32)  # noqa: E731
@@ -161,7 +160,7 @@ def _run_donated(jitted, donate, args):
     return out
 
 
-@pytest.mark.parametrize("impl", BACKENDS)
+@pytest.mark.parametrize("impl", BACKEND_PARAMS)
 def test_donated_serving_loop_runs_without_warnings(impl):
     step = _compiled_serving_step(impl)
     canary, log, tail, rpi, prefix, extend, ids, pos, loc = _step_args()
@@ -191,7 +190,7 @@ def _garbage(shape_n, rng, lo=-2**31, hi=2**31 - 1):
     return v
 
 
-@pytest.mark.parametrize("impl", BACKENDS)
+@pytest.mark.parametrize("impl", BACKEND_PARAMS)
 def test_malformed_data_in_donated_steps_completes_with_reference_bytes(impl):
     """Every device-side value malformed at once, ring capacity 1, write_index near saturation:
     each donated op completes, consumes its state, and returns exactly the reference's bytes."""

@@ -1,9 +1,10 @@
 """Property tests: every implementation under test against the numpy reference, byte for byte.
 
 The reference (``jax_kvcanary.reference``) is always the oracle; the compared implementations are
-``ffi`` and ``xla`` (filtered by ``KVC_TEST_IMPLS``). Cases come from ``tests/support/cases.py``: a few fixed
-shapes/static options per op ("configs", so jit compiles are reused) with the data varied by seed.
-``KVC_PROPERTY_SEEDS`` (default 26) sets the seeds per config: 8 configs x 26 = 208 cases per op.
+``ffi`` and ``xla``. Cases come from ``tests/support/cases.py``: a few fixed shapes/static options per
+op ("configs", so jit compiles are reused) with the data varied by seed. ``KVC_PROPERTY_SEEDS``
+(default 26) sets the seeds per config: 8 configs x 26 = 208 cases per op. The ``xla`` cases of all
+but one config per op are marked ``slow`` (each config is a compile of the pure-JAX backend).
 
 Compared bytes: canary (whole buffer, padding bytes included), ring (whole ring), write_index, both
 counter arrays, the chain-position flag (passthrough), every plan array, the scatter pool.
@@ -24,6 +25,7 @@ from tests.support.impls import COMPARED_IMPLS
 
 SEEDS = int(os.environ.get("KVC_PROPERTY_SEEDS", "26"))
 OP_CONFIGS = [(op, cfg) for op in OPS for cfg in CONFIGS[op]]
+EAGER_CONFIGS = [(op, sorted(CONFIGS[op])[0]) for op in OPS]   # also the quick loop's xla configs
 MASK = (1 << 64) - 1
 
 _ref_cache = {}
@@ -47,9 +49,19 @@ def test_case_count():
 
 # ---- impl vs reference --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("impl", COMPARED_IMPLS)
-@pytest.mark.parametrize("op,config", OP_CONFIGS, ids=[f"{o}-{c}" for o, c in OP_CONFIGS])
-def test_matches_reference(impl, op, config):
+def impl_params(op_configs):
+    """``op, config, impl`` parameters; the ``xla`` ones marked ``xla``, and ``slow`` but in
+    ``EAGER_CONFIGS``."""
+    def marks(op, cfg, impl):
+        if impl != "xla":
+            return ()
+        return (pytest.mark.xla,) + (() if (op, cfg) in EAGER_CONFIGS else (pytest.mark.slow,))
+    return [pytest.param(op, cfg, impl, marks=marks(op, cfg, impl), id=f"{op}-{cfg}-{impl}")
+            for op, cfg in op_configs for impl in COMPARED_IMPLS]
+
+
+@pytest.mark.parametrize("op,config,impl", impl_params(OP_CONFIGS))
+def test_matches_reference(op, config, impl):
     failures = []
     for case, ref in cases_of(op, config):
         try:
@@ -66,12 +78,8 @@ def test_matches_reference(impl, op, config):
                           + "\n\n".join(failures[:3]))
 
 
-EAGER_CONFIGS = [(op, sorted(CONFIGS[op])[0]) for op in OPS]
-
-
-@pytest.mark.parametrize("impl", COMPARED_IMPLS)
-@pytest.mark.parametrize("op,config", EAGER_CONFIGS, ids=[f"{o}-{c}" for o, c in EAGER_CONFIGS])
-def test_matches_reference_eager(impl, op, config):
+@pytest.mark.parametrize("op,config,impl", impl_params(EAGER_CONFIGS))
+def test_matches_reference_eager(op, config, impl):
     """Seed 0 of one config per op, called outside jit (the eager dispatch path; the goldens
     cover eager calls much more)."""
     case, ref = cases_of(op, config)[0]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tests.support import hlo
+from tests.support.impls import BACKEND_PARAMS
 import jax_kvcanary as kvc
 from jax_kvcanary.consts import LaunchTag as T
 from jax_kvcanary.runtime import (CanaryBatch, CanaryConfig, CanaryEndpoints, CanaryHealthError,
@@ -127,7 +128,7 @@ def test_compiled_step_is_device_only_and_donates():
     assert old.is_deleted()                                   # the state was donated
 
 
-@pytest.mark.parametrize("impl", ["ffi", "xla"])
+@pytest.mark.parametrize("impl", BACKEND_PARAMS)
 def test_compiled_step_copies_no_canary_state(impl, monkeypatch):
     """The whole engine step (plan, HEAD and TAIL verify + write of K and V with real-KV sources)
     updates every canary buffer and the log in place, on both backends. (The runtime's own 96-byte

@@ -25,6 +25,7 @@ def peer(*args):
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_byte_flipped_in_transit_is_reported_with_the_senders_slot(tmp_path):
     clean = tmp_path / "clean.pack"
     sent = peer("send", str(clean))

@@ -14,7 +14,8 @@ The generic byte-for-byte comparison of every op against the numpy reference liv
 * write's vectorised chain path and its sequential fallback agree on random inputs, and both match
   the reference (conflict-heavy, long requests, odd source dtypes, ring edge cases).
 
-Subprocess scenarios are this module run as a script: ``python test_xla_impl.py SCENARIO [ARGS]``.
+Subprocess scenarios are this module run as a script: ``python test_xla_impl.py SCENARIO [ARGS]``;
+their tests are marked ``slow``.
 """
 
 from __future__ import annotations
@@ -350,6 +351,7 @@ if __name__ != "__main__":
 
     # ---- x64 off / on --------------------------------------------------------------------------
 
+    @pytest.mark.slow
     def test_same_bytes_x64_off_and_on():
         off = _run_script("x64", "int32", env_extra={"JAX_ENABLE_X64": "0"})
         on32 = _run_script("x64", "int32", env_extra={"JAX_ENABLE_X64": "1"})
@@ -465,11 +467,13 @@ if __name__ != "__main__":
 
     # ---- shard_map / native module absent (subprocesses) ---------------------------------------
 
+    @pytest.mark.slow
     def test_shard_map_four_devices():
         assert _run_script("shard_map", env_extra={
             "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip(),
             "JAX_ENABLE_X64": "0"}) == "ok"
 
+    @pytest.mark.slow
     def test_works_without_native_module():
         assert _run_script("no_native", env_extra={"JAX_ENABLE_X64": "0"}) == "ok"
 

@@ -15,6 +15,7 @@ import pytest
 from tests.support import sglang_jax_tiny as tiny
 from tests.support.sglang_server import installed_sglang_jax
 
+pytestmark = pytest.mark.integration
 if installed_sglang_jax() != "0.0.2":
     pytest.skip("these in-process tests drive sglang-jax 0.0.2's ModelWorker (pip install "
                 "'jax_kvcanary[sglang-jax]'); sglang-jax main is tested through its HTTP server "

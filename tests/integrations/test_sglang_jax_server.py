@@ -23,6 +23,7 @@ import pytest
 from tests.support.sglang_server import LAUNCHER, TINY_ENGINE_ARGS, Server, installed_sglang_jax
 from tests.support.tiny_qwen2 import write_tiny_qwen2
 
+pytestmark = pytest.mark.integration
 if installed_sglang_jax() is None:
     pytest.skip("sglang-jax is not installed; BUILD.md says how to install its main branch",
                 allow_module_level=True)

@@ -15,6 +15,8 @@ from jax_kvcanary.integrations import sglang_jax as kvc_sgl
 from jax_kvcanary.integrations.sglang_jax import tokens
 from jax_kvcanary.runtime import CanaryConfig
 
+pytestmark = pytest.mark.integration
+
 
 def expected_inputs_reference(pool, rows, prefix, extend, input_ids, positions):
     """What ``tokens.expected_inputs`` computes, one entry at a time."""

@@ -18,6 +18,8 @@ from jax_kvcanary.integrations import sglang_jax as kvc_sgl
 from jax_kvcanary.integrations.sglang_jax import layout
 from jax_kvcanary.runtime import CanaryConfig
 
+pytestmark = pytest.mark.integration
+
 
 def test_import_does_not_import_sglang_jax():
     code = ("import sys, jax_kvcanary, jax_kvcanary.runtime, jax_kvcanary.integrations.sglang_jax; "

@@ -1,19 +1,23 @@
 """The implementations under test and a uniform way to call them.
 
 ``reference`` is the numpy oracle, ``ffi`` the native custom call on the default platform and ``xla``
-the pure-JAX backend. ``KVC_TEST_IMPLS`` (a comma list) narrows the set during development; CI runs
-all of them.
+the pure-JAX backend. As test parameters (the ``ops`` fixture, ``BACKEND_PARAMS``) the ``xla`` cases
+carry the ``xla`` marker (``-m "not xla"`` leaves them out, as CI's x64 pass does) and most of them
+``slow``: its compiles dominate the suite's time; the quick loop keeps a subset (test_property,
+test_xla_impl).
 """
 
 from __future__ import annotations
 
-import os
+import pytest
 
 from jax_kvcanary import reference
 
-ALL_IMPLS = ("reference", "ffi", "xla")
-IMPLS = tuple(i for i in os.environ.get("KVC_TEST_IMPLS", ",".join(ALL_IMPLS)).split(",") if i)
-COMPARED_IMPLS = tuple(i for i in IMPLS if i != "reference")  # compared against the reference
+COMPARED_IMPLS = ("ffi", "xla")                 # compared against the reference
+XLA = pytest.param("xla", marks=pytest.mark.xla)
+SLOW_XLA = pytest.param("xla", marks=(pytest.mark.xla, pytest.mark.slow))
+IMPL_PARAMS = ("reference", "ffi", SLOW_XLA)    # the ops fixture
+BACKEND_PARAMS = ("ffi", SLOW_XLA)              # ``impl`` of the tests that compare the backends
 
 
 class Ops:
