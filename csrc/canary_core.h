@@ -445,8 +445,18 @@ KVC_HD int64_t write_active(int64_t num_valid_reqs, int64_t capacity) {
 }
 
 // Monotone clamp of the offsets: o[k] = clamp(max(offsets[0..k]), 0, N) (format.md §7.3). A launcher
-// takes the prefix max (a loop, or a max-scan on the device) and clamps it here.
+// takes the prefix max (OffsetClamp on the host, a max-scan on the device) and clamps it here.
 KVC_HD int64_t clamp_offset(int64_t running_max, int64_t num_tokens) { return clamp64(running_max, 0, num_tokens); }
+
+// The clamped offsets one after another: next(offsets[0]) = o[0], then next(offsets[k]) = o[k].
+struct OffsetClamp {
+  int64_t running_max;
+  int64_t num_tokens;
+  KVC_HD int64_t next(int64_t offset) {
+    if (offset > running_max) running_max = offset;
+    return clamp_offset(running_max, num_tokens);
+  }
+};
 
 // The pieces of one request, so that a parallel launcher runs the same code as the sequential loop
 // below: the seed (with its OOB row), the real-KV addressability of an entry, and the rows of one

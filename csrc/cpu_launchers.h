@@ -143,13 +143,8 @@ void verify_launch(const VerifyArgs& a, int64_t capacity, int32_t num_valid, int
 // The monotone clamp of the offsets (format.md §7.3): o[r] for r in [0, active].
 inline std::vector<int64_t> clamped_offsets(IndexView offsets, int64_t active, int64_t num_tokens) {
   std::vector<int64_t> o(active + 1);
-  int64_t running_max = offsets[0];
-  o[0] = clamp_offset(running_max, num_tokens);
-  for (int64_t r = 0; r < active; ++r) {
-    const int64_t next = offsets[r + 1];
-    if (next > running_max) running_max = next;
-    o[r + 1] = clamp_offset(running_max, num_tokens);
-  }
+  OffsetClamp clamp{INT64_MIN, num_tokens};
+  for (int64_t r = 0; r <= active; ++r) o[r] = clamp.next(offsets[r]);
   return o;
 }
 
@@ -233,17 +228,26 @@ void write_launch(const WriteArgs& a, IndexView offsets, int64_t capacity, int32
   const bool w = a.locs.is64;
   const bool same_width = a.seeds.is64 == w && a.input_ids.is64 == w && a.positions.is64 == w &&
                           (!a.input_assert || (a.exp_tokens.is64 == w && a.exp_positions.is64 == w));
-  const std::vector<int64_t> o = clamped_offsets(offsets, active, num_tokens);
-  // Several threads only for a large launch of several independent requests (see above).
-  int64_t chunks = active > 1 ? chunk_count(o.back() - o.front(), exec) : 1;
-  if (chunks > 1 && !write_requests_independent(a, o, chunks, exec)) chunks = 1;
+  // Several threads only for a large launch of several independent requests (see above); the
+  // sequential path clamps the offsets as it goes, with no allocation.
+  std::vector<int64_t> o;
+  int64_t chunks = active > 1 ? chunk_count(num_tokens, exec) : 1;
+  if (chunks > 1) {
+    o = clamped_offsets(offsets, active, num_tokens);
+    chunks = chunk_count(o.back() - o.front(), exec);
+    if (chunks > 1 && !write_requests_independent(a, o, chunks, exec)) chunks = 1;
+  }
   int64_t written = 0, rows = 0;
   with_traits(same_width, w, !a.input_assert && !a.sources.active(), [&](auto traits) {
     using T = decltype(traits);
     if (chunks == 1) {  // requests in order, each over its monotone-clamped offset range
       RingAppender emit{log.ring, log.capacity, base};
+      OffsetClamp clamp{INT64_MIN, num_tokens};
+      int64_t lo = clamp.next(offsets[0]);
       for_requests_seeded<T>(a, 0, active, [](int64_t) { return true; }, [&](int64_t r, const SeedHash* ahead) {
-        written += write_request<T>(a, r, o[r], o[r + 1], emit, /*do_store=*/true, ahead);
+        const int64_t hi = clamp.next(offsets[r + 1]);
+        written += write_request<T>(a, r, lo, hi, emit, /*do_store=*/true, ahead);
+        lo = hi;
       });
       rows = emit.count;
       return;
