@@ -50,10 +50,13 @@ struct SourcesCall {
   RealKvAttrs attrs;
 };
 
-// The canary, the violation log's four buffers (format.md §3.3) and the launch tag.
+// The canary, the violation log's four buffers (format.md §3.3) and the launch tag. The buffers are the
+// results the launcher reads and writes (XLA aliases them to the inputs); `results_match_inputs` says
+// each has the shape of the input it aliases.
 struct LogCall {
   Array canary, ring, write_index, kernel_counters, slot_counters;
   int64_t tag = 0;
+  bool results_match_inputs = true;
 };
 
 struct VerifyCall {
@@ -80,6 +83,9 @@ struct PlanCall {
 struct ScatterCall {
   Array pool, flat_ids, offsets, rpi, result;
 };
+
+// Bytes per row of a real-KV source (its leading dimension is the row); 0 without rows.
+inline int64_t row_bytes_of(const Array& a) { return a.dim0 > 0 ? a.bytes / a.dim0 : 0; }
 
 // ---- checks ------------------------------------------------------------------------------------------
 // Collects the first failure of a call's checks.
@@ -123,6 +129,7 @@ class CallCheck {
 
   // The canary, the log's four buffers and the launch tag (verify, write).
   void log(const LogCall& c) {
+    require(c.results_match_inputs, "the canary and log results must have the shapes of the inputs they alias");
     const int64_t slots = c.canary.dim0, stride = c.canary.dim1;
     require(c.canary.type == ElemType::U8 && c.canary.rank == 2, "canary must be a uint8 [num_slots, stride] array");
     if (!ok()) return;
@@ -153,8 +160,7 @@ class CallCheck {
     if (g.entries < c.count)
       return fail("the geometry attributes must have an entry for each of the " + num(c.count) + " sources");
     for (int64_t k = 0; k < c.count && ok(); ++k) {
-      const Array& src = c.src[k];
-      const int64_t rows = src.dim0, row_bytes = rows > 0 ? src.bytes / rows : 0;
+      const int64_t rows = c.src[k].dim0, row_bytes = row_bytes_of(c.src[k]);
       const int64_t ps = g.page_size[k], bpt = g.bytes_per_token[k], off = g.offset_bytes[k];
       const bool partial = g.mode == static_cast<int32_t>(RealKvHashMode::PARTIAL);
       const int64_t eff = partial ? REAL_KV_PARTIAL_BYTES : g.read_bytes[k];
@@ -279,8 +285,7 @@ inline RealKvSources real_kv_sources(const SourcesCall& c) {
   out.mode = c.attrs.mode;
   for (int64_t k = 0; k < c.count; ++k) {
     const Array& s = c.src[k];
-    const int64_t row_bytes = s.dim0 > 0 ? s.bytes / s.dim0 : 0;
-    out.src[out.count++] = make_source_view(static_cast<const uint8_t*>(s.data), s.dim0, row_bytes,
+    out.src[out.count++] = make_source_view(static_cast<const uint8_t*>(s.data), s.dim0, row_bytes_of(s),
                                             c.attrs.page_size[k], c.attrs.bytes_per_token[k], c.attrs.read_bytes[k],
                                             c.attrs.offset_bytes[k], c.attrs.mode);
   }

@@ -114,10 +114,23 @@ Array array_of(const B& b) {
   return a;
 }
 
-inline LogCall log_call(const U8Array& canary, const U8Array& ring, const I32Scalar& write_index,
-                        const U8Array& kernel_counters, const U8Array& slot_counters, int64_t tag) {
-  return LogCall{array_of(canary), array_of(ring), array_of(write_index), array_of(kernel_counters),
-                 array_of(slot_counters), tag};
+inline bool same_shape(const Array& a, const Array& b) {
+  return a.type == b.type && a.rank == b.rank && a.dim0 == b.dim0 && a.dim1 == b.dim1 && a.bytes == b.bytes;
+}
+
+// The log of a verify or write call: its result buffers (where the launcher reads and writes), and
+// whether each has the shape of the input it aliases (`canary_in`: write's canary, aliased too).
+inline LogCall log_call(const U8Array& canary, const U8Array* canary_in, const U8Array& ring,
+                        const I32Scalar& write_index, const U8Array& kernel_counters,
+                        const U8Array& slot_counters, U8ArrayOut& ring_out, I32ScalarOut& write_index_out,
+                        U8ArrayOut& kernel_counters_out, U8ArrayOut& slot_counters_out, int64_t tag) {
+  LogCall c{array_of(canary), array_of(*ring_out), array_of(*write_index_out), array_of(*kernel_counters_out),
+            array_of(*slot_counters_out), tag, true};
+  c.results_match_inputs = (canary_in == nullptr || same_shape(array_of(*canary_in), c.canary)) &&
+                           same_shape(array_of(ring), c.ring) && same_shape(array_of(write_index), c.write_index) &&
+                           same_shape(array_of(kernel_counters), c.kernel_counters) &&
+                           same_shape(array_of(slot_counters), c.slot_counters);
+  return c;
 }
 
 inline SourcesCall sources_call(const ffi::RemainingArgs& srcs, const RealKvAttrSpans& attrs) {
@@ -153,10 +166,10 @@ inline ScratchView scratch_view(ffi::RemainingRets& extra) {
 inline ffi::Error refused(const std::string& message) { return ffi::Error::InvalidArgument(message); }
 
 // Results are aliased to their inputs (input_output_aliases); copy only if XLA ever hands distinct
-// buffers.
+// buffers. The checks have refused results whose shape differs from their input's.
 template <class P, class In, class Out>
 ffi::Error alias_in(typename P::Ctx ctx, const In& in, Out& out) {
-  if (out->untyped_data() == in.untyped_data() || in.size_bytes() != out->size_bytes() || in.size_bytes() == 0)
+  if (out->untyped_data() == in.untyped_data() || in.size_bytes() == 0)
     return ffi::Error::Success();
   return P::copy(ctx, out->untyped_data(), in.untyped_data(), in.size_bytes());
 }
@@ -210,7 +223,8 @@ ffi::Error verify_handler(typename P::Ctx ctx, U8Array canary, U8Array ring, I32
                           I32ScalarOut write_index_out, U8ArrayOut kernel_counters_out,
                           U8ArrayOut slot_counters_out, ffi::RemainingRets extra, VerifyAttrs attrs) {
   VerifyCall c;
-  c.log = log_call(canary, ring, write_index, kernel_counters, slot_counters, attrs.tag);
+  c.log = log_call(canary, nullptr, ring, write_index, kernel_counters, slot_counters, ring_out, write_index_out,
+                   kernel_counters_out, slot_counters_out, attrs.tag);
   c.slots = array_of(slots);
   c.tokens = array_of(tokens);
   c.positions = array_of(positions);
@@ -223,7 +237,6 @@ ffi::Error verify_handler(typename P::Ctx ctx, U8Array canary, U8Array ring, I32
   const ffi::Error err = alias_log<P>(ctx, ring, write_index, kernel_counters, slot_counters, ring_out,
                                       write_index_out, kernel_counters_out, slot_counters_out);
   if (err.failure()) return err;
-  c.log = log_call(canary, *ring_out, *write_index_out, *kernel_counters_out, *slot_counters_out, attrs.tag);
   return P::verify(ctx, verify_args(c), c.slots.dim0, num_valid.typed_data(), enable.typed_data(), log_view(c.log),
                    scratch_view(extra));
 }
@@ -262,7 +275,8 @@ ffi::Error write_handler(typename P::Ctx ctx, U8Array canary, U8Array ring, I32S
                          U8ArrayOut kernel_counters_out, U8ArrayOut slot_counters_out, ffi::RemainingRets extra,
                          WriteAttrs attrs) {
   WriteCall c;
-  c.log = log_call(canary, ring, write_index, kernel_counters, slot_counters, attrs.tag);
+  c.log = log_call(*canary_out, &canary, ring, write_index, kernel_counters, slot_counters, ring_out, write_index_out,
+                   kernel_counters_out, slot_counters_out, attrs.tag);
   c.chain_flag = array_of(chain_flag);
   c.offsets = array_of(offsets);
   c.seeds = array_of(seeds);
@@ -280,7 +294,6 @@ ffi::Error write_handler(typename P::Ctx ctx, U8Array canary, U8Array ring, I32S
     err = alias_log<P>(ctx, ring, write_index, kernel_counters, slot_counters, ring_out, write_index_out,
                        kernel_counters_out, slot_counters_out);
   if (err.failure()) return err;
-  c.log = log_call(*canary_out, *ring_out, *write_index_out, *kernel_counters_out, *slot_counters_out, attrs.tag);
   return P::write(ctx, write_args(c), index_view(c.offsets), c.seeds.dim0, c.input_ids.dim0,
                   num_valid_reqs.typed_data(), chain_flag.typed_data(), log_view(c.log), scratch_view(extra));
 }

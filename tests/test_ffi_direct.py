@@ -146,6 +146,18 @@ BAD = [
 ]
 
 
+def test_log_results_of_another_shape_than_their_inputs_are_refused():
+    """Without input_output_aliases a caller chooses the result shapes; the launcher writes the results,
+    so a counter result smaller than the input counters the tag was checked against is refused."""
+    log = log_buffers()
+    results = (sds(log[0]), sds(log[1]), sds(u8(2, 8)), sds(log[3]))
+    call = jax.ffi.ffi_call(_ffi.VERIFY_TARGET, results)
+    with pytest.raises(Exception, match=re.escape(
+            "kv-canary: kvcanary_verify: the canary and log results must have the shapes of the inputs they alias")):
+        jax.block_until_ready(call(u8(64, 32), *log, i32(4), i32(4), i32(4), i32(4), i32(1), i32(1),
+                                   tag=np.int64(5), check_token=np.bool_(False), **geometry_attrs()))
+
+
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_good_arguments_run(op):
     jax.block_until_ready(OPS[op]())

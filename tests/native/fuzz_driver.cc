@@ -1047,7 +1047,7 @@ LogCall valid_log(Rng& g) {
 }
 void break_log(Rng& g, LogCall& c) {
   const int64_t tags = c.kernel_counters.dim0;
-  switch (g.range(0, 7)) {
+  switch (g.range(0, 8)) {
     case 0: c.tag = g.pct(50) ? tags + g.range(0, 3) : (g.pct(50) ? -1 : int64_t(1) << 40); break;
     case 1: c.canary = described(ElemType::U8, 2, c.canary.dim0, g.pct(50) ? 8 * g.range(0, 3) : 32 + g.range(1, 7)); break;
     case 2: c.canary = described(ElemType::U8, 2, 0, 32); break;
@@ -1055,7 +1055,8 @@ void break_log(Rng& g, LogCall& c) {
     case 4: c.ring = described(ElemType::U8, 2, 0, VIOLATION_ROW_BYTES); break;
     case 5: c.write_index = described(ElemType::S32, 1, g.pct(50) ? 0 : 2); break;
     case 6: c.slot_counters = described(ElemType::U8, 2, tags + 1, COUNTER_BYTES); break;
-    default: c.kernel_counters = described(ElemType::U8, 2, tags, 4); break;
+    case 7: c.kernel_counters = described(ElemType::U8, 2, tags, 4); break;
+    default: c.results_match_inputs = false; break;
   }
 }
 
@@ -1229,12 +1230,14 @@ void randomize_sources(Rng& g, SourcesCall& s) {
 void randomize_log(Rng& g, LogCall& c) {
   for (Array* a : {&c.canary, &c.ring, &c.write_index, &c.kernel_counters, &c.slot_counters}) *a = random_array(g);
   c.tag = pick(g, 0, 12);
+  c.results_match_inputs = g.pct(90);
 }
 
 template <class Call, class Check, class Launch, size_t K>
-void fuzz_call(Rng& g, Call c, Call (*valid)(Rng&), const Breaker<Call> (&breakers)[K], void (*random)(Rng&, Call&),
+void fuzz_call(Rng& g, Call (*valid)(Rng&), const Breaker<Call> (&breakers)[K], void (*random)(Rng&, Call&),
                Check check, Launch launch) {
   int broken = -1;  // -1: untouched, K: random fields
+  Call c;
   if (g.pct(25)) {
     random(g, c);
     broken = static_cast<int>(K);
@@ -1299,7 +1302,7 @@ int32_t first_i32(const Array& a) { int32_t v; std::memcpy(&v, a.data, 4); retur
 void fuzz_checks(Rng& g) {
   switch (g.range(0, 3)) {
     case 0:
-      fuzz_call(g, VerifyCall{}, valid_verify, kVerifyBreakers, random_verify, check_verify, [](Rng& r, VerifyCall c) {
+      fuzz_call(g, valid_verify, kVerifyBreakers, random_verify, check_verify, [](Rng& r, VerifyCall c) {
         CallBuffers b;
         back_log(r, b, c.log);
         for (Array* a : {&c.slots, &c.tokens, &c.positions, &c.prevs, &c.num_valid, &c.enable}) b.back(r, *a);
@@ -1310,7 +1313,7 @@ void fuzz_checks(Rng& g) {
       });
       break;
     case 1:
-      fuzz_call(g, WriteCall{}, valid_write, kWriteBreakers, random_write, check_write, [](Rng& r, WriteCall c) {
+      fuzz_call(g, valid_write, kWriteBreakers, random_write, check_write, [](Rng& r, WriteCall c) {
         CallBuffers b;
         back_log(r, b, c.log);
         for (Array* a : {&c.chain_flag, &c.offsets, &c.seeds, &c.num_valid_reqs, &c.input_ids, &c.positions, &c.locs,
@@ -1326,7 +1329,7 @@ void fuzz_checks(Rng& g) {
       });
       break;
     case 2:
-      fuzz_call(g, PlanCall{}, valid_plan, kPlanBreakers, random_plan, check_plan, [](Rng& r, PlanCall c) {
+      fuzz_call(g, valid_plan, kPlanBreakers, random_plan, check_plan, [](Rng& r, PlanCall c) {
         CallBuffers b;
         for (Array* a : {&c.rpi, &c.prefix, &c.extend, &c.r2t, &c.lut, &c.pool, &c.valid_lens, &c.row_starts,
                          &c.slots, &c.tokens, &c.positions, &c.prevs, &c.num_valid, &c.enable, &c.offsets, &c.seeds,
@@ -1338,7 +1341,7 @@ void fuzz_checks(Rng& g) {
       });
       break;
     default:
-      fuzz_call(g, ScatterCall{}, valid_scatter, kScatterBreakers, random_scatter, check_scatter, [](Rng& r, ScatterCall c) {
+      fuzz_call(g, valid_scatter, kScatterBreakers, random_scatter, check_scatter, [](Rng& r, ScatterCall c) {
         CallBuffers b;
         for (Array* a : {&c.pool, &c.flat_ids, &c.offsets, &c.rpi}) b.back(r, *a);
         if (c.pool.type == ElemType::S64)
