@@ -35,6 +35,7 @@ struct Array {
 struct RealKvAttrs {
   int32_t mode = 0;
   int64_t entries = 0;  // geometry entries given: the shortest of the four arrays, at most MAX_REAL_KV_SOURCES
+  // (a handler copies the entries of the sources given, and none with mode NONE: nothing reads more)
   int64_t page_size[MAX_REAL_KV_SOURCES] = {};
   int64_t bytes_per_token[MAX_REAL_KV_SOURCES] = {};
   int64_t read_bytes[MAX_REAL_KV_SOURCES] = {};

@@ -29,15 +29,17 @@
 //
 // Buffers whose dtype is fixed by the format (canary, log, plan scalars and outputs) are typed; index
 // arrays are int32 or int64 (AnyBuffer, widened on read) and real-KV sources any dtype. Each op's
-// attributes decode as one struct (VerifyAttrs, WriteAttrs, PlanAttrs).
+// attributes decode as one struct (VerifyAttrs, WriteAttrs, PlanAttrs: ffi_attrs.h).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
 
 #include "call_args.h"
 #include "canary_core.h"
+#include "ffi_attrs.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace kvcanary {
@@ -48,47 +50,6 @@ using I32Scalar = ffi::Buffer<ffi::S32, 1>;  // int32[1]
 using U8ArrayOut = ffi::Result<U8Array>;
 using I32ScalarOut = ffi::Result<I32Scalar>;
 using I32VectorOut = ffi::Result<ffi::Buffer<ffi::S32, 1>>;
-
-// The real-KV attributes as XLA decodes them: mode:i32 and the per-source geometry
-// page_size/bytes_per_token/read_bytes/offset_bytes: i64[4].
-struct RealKvAttrSpans {
-  int32_t mode;
-  ffi::Span<const int64_t> page_size, bytes_per_token, read_bytes, offset_bytes;
-};
-struct VerifyAttrs {
-  int64_t tag;
-  bool check_token;
-  RealKvAttrSpans real_kv;
-};
-struct WriteAttrs {
-  int64_t tag;
-  bool input_assert;
-  RealKvAttrSpans real_kv;
-};
-struct PlanAttrs {
-  int64_t window, token_offset;
-  bool has_lut, has_pool, has_row_starts;
-};
-
-}  // namespace kvcanary
-
-#define KVC_REAL_KV_ATTR_MEMBERS                                                                        \
-  ::xla::ffi::StructMember<int32_t>("mode"), ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("page_size"), \
-      ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("bytes_per_token"),                       \
-      ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("read_bytes"),                            \
-      ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("offset_bytes")
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::kvcanary::VerifyAttrs, ::xla::ffi::StructMember<int64_t>("tag"),
-                                      ::xla::ffi::StructMember<bool>("check_token"), KVC_REAL_KV_ATTR_MEMBERS);
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::kvcanary::WriteAttrs, ::xla::ffi::StructMember<int64_t>("tag"),
-                                      ::xla::ffi::StructMember<bool>("input_assert"), KVC_REAL_KV_ATTR_MEMBERS);
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::kvcanary::PlanAttrs, ::xla::ffi::StructMember<int64_t>("window"),
-                                      ::xla::ffi::StructMember<int64_t>("token_offset"),
-                                      ::xla::ffi::StructMember<bool>("has_lut"),
-                                      ::xla::ffi::StructMember<bool>("has_pool"),
-                                      ::xla::ffi::StructMember<bool>("has_row_starts"));
-#undef KVC_REAL_KV_ATTR_MEMBERS
-
-namespace kvcanary {
 
 // ---- XLA's buffers and attributes -> the call (call_args.h) ------------------------------------------
 inline ElemType elem_type(ffi::DataType t) {
@@ -102,16 +63,17 @@ inline ElemType elem_type(ffi::DataType t) {
 
 template <class B>  // ffi::AnyBuffer or ffi::Buffer<T, R>
 Array array_of(const B& b) {
-  Array a;
-  auto dims = b.dimensions();
-  a.data = b.untyped_data();
-  a.type = elem_type(b.element_type());
-  a.rank = static_cast<int64_t>(dims.size());
-  a.dim0 = dims.size() > 0 ? dims[0] : 0;
-  a.dim1 = dims.size() > 1 ? dims[1] : 0;
-  a.elements = static_cast<int64_t>(b.element_count());
-  a.bytes = static_cast<int64_t>(b.size_bytes());
-  return a;
+  const auto dims = b.dimensions();
+  const int64_t rank = static_cast<int64_t>(dims.size());
+  int64_t elements = 1;
+  for (int64_t d : dims) elements *= d;
+  return Array{b.untyped_data(),
+               elem_type(b.element_type()),
+               rank,
+               rank > 0 ? dims[0] : 0,
+               rank > 1 ? dims[1] : 0,
+               elements,
+               elements * static_cast<int64_t>(ffi::ByteWidth(b.element_type()))};
 }
 
 inline bool same_shape(const Array& a, const Array& b) {
@@ -146,7 +108,9 @@ inline SourcesCall sources_call(const ffi::RemainingArgs& srcs, const RealKvAttr
   g.entries = MAX_REAL_KV_SOURCES;
   for (auto span : {attrs.page_size, attrs.bytes_per_token, attrs.read_bytes, attrs.offset_bytes})
     if (static_cast<int64_t>(span.size()) < g.entries) g.entries = static_cast<int64_t>(span.size());
-  for (int64_t k = 0; k < g.entries; ++k) {
+  // the geometry is read only with a mode and only for the sources given
+  const int64_t used = g.mode == static_cast<int32_t>(RealKvHashMode::NONE) ? 0 : std::min(g.entries, c.count);
+  for (int64_t k = 0; k < used; ++k) {
     g.page_size[k] = attrs.page_size[k];
     g.bytes_per_token[k] = attrs.bytes_per_token[k];
     g.read_bytes[k] = attrs.read_bytes[k];
@@ -222,17 +186,17 @@ ffi::Error verify_handler(typename P::Ctx ctx, U8Array canary, U8Array ring, I32
                           I32Scalar num_valid, I32Scalar enable, ffi::RemainingArgs srcs, U8ArrayOut ring_out,
                           I32ScalarOut write_index_out, U8ArrayOut kernel_counters_out,
                           U8ArrayOut slot_counters_out, ffi::RemainingRets extra, VerifyAttrs attrs) {
-  VerifyCall c;
-  c.log = log_call(canary, nullptr, ring, write_index, kernel_counters, slot_counters, ring_out, write_index_out,
-                   kernel_counters_out, slot_counters_out, attrs.tag);
-  c.slots = array_of(slots);
-  c.tokens = array_of(tokens);
-  c.positions = array_of(positions);
-  c.prevs = array_of(prevs);
-  c.num_valid = array_of(num_valid);
-  c.enable = array_of(enable);
-  c.check_token = attrs.check_token;
-  c.sources = sources_call(srcs, attrs.real_kv);
+  // built in place (aggregate initialisation): no Array is copied on the launch path
+  const VerifyCall c{log_call(canary, nullptr, ring, write_index, kernel_counters, slot_counters, ring_out,
+                              write_index_out, kernel_counters_out, slot_counters_out, attrs.tag),
+                     array_of(slots),
+                     array_of(tokens),
+                     array_of(positions),
+                     array_of(prevs),
+                     array_of(num_valid),
+                     array_of(enable),
+                     attrs.check_token,
+                     sources_call(srcs, attrs)};
   if (const std::string e = check_verify(c); !e.empty()) return refused(e);
   const ffi::Error err = alias_log<P>(ctx, ring, write_index, kernel_counters, slot_counters, ring_out,
                                       write_index_out, kernel_counters_out, slot_counters_out);
@@ -274,20 +238,19 @@ ffi::Error write_handler(typename P::Ctx ctx, U8Array canary, U8Array ring, I32S
                          U8ArrayOut canary_out, U8ArrayOut ring_out, I32ScalarOut write_index_out,
                          U8ArrayOut kernel_counters_out, U8ArrayOut slot_counters_out, ffi::RemainingRets extra,
                          WriteAttrs attrs) {
-  WriteCall c;
-  c.log = log_call(*canary_out, &canary, ring, write_index, kernel_counters, slot_counters, ring_out, write_index_out,
-                   kernel_counters_out, slot_counters_out, attrs.tag);
-  c.chain_flag = array_of(chain_flag);
-  c.offsets = array_of(offsets);
-  c.seeds = array_of(seeds);
-  c.num_valid_reqs = array_of(num_valid_reqs);
-  c.input_ids = array_of(input_ids);
-  c.positions = array_of(positions);
-  c.locs = array_of(locs);
-  c.exp_tokens = array_of(exp_tokens);
-  c.exp_positions = array_of(exp_positions);
-  c.input_assert = attrs.input_assert;
-  c.sources = sources_call(srcs, attrs.real_kv);
+  const WriteCall c{log_call(*canary_out, &canary, ring, write_index, kernel_counters, slot_counters, ring_out,
+                             write_index_out, kernel_counters_out, slot_counters_out, attrs.tag),
+                    array_of(chain_flag),
+                    array_of(offsets),
+                    array_of(seeds),
+                    array_of(num_valid_reqs),
+                    array_of(input_ids),
+                    array_of(positions),
+                    array_of(locs),
+                    array_of(exp_tokens),
+                    array_of(exp_positions),
+                    attrs.input_assert,
+                    sources_call(srcs, attrs)};
   if (const std::string e = check_write(c); !e.empty()) return refused(e);
   ffi::Error err = alias_in<P>(ctx, canary, canary_out);
   if (err.success())
@@ -335,29 +298,13 @@ ffi::Error plan_handler(typename P::Ctx ctx, ffi::AnyBuffer rpi, ffi::AnyBuffer 
                         ffi::AnyBuffer row_starts, I32VectorOut slots, I32VectorOut tokens, I32VectorOut positions,
                         I32VectorOut prevs, I32ScalarOut num_valid, I32ScalarOut enable, I32VectorOut offsets,
                         I32VectorOut seeds, I32ScalarOut num_valid_reqs, ffi::RemainingRets extra, PlanAttrs attrs) {
-  PlanCall c;
-  c.rpi = array_of(rpi);
-  c.prefix = array_of(prefix);
-  c.extend = array_of(extend);
-  c.r2t = array_of(r2t);
-  c.lut = array_of(lut);
-  c.pool = array_of(pool);
-  c.valid_lens = array_of(valid_lens);
-  c.row_starts = array_of(row_starts);
-  c.slots = array_of(*slots);
-  c.tokens = array_of(*tokens);
-  c.positions = array_of(*positions);
-  c.prevs = array_of(*prevs);
-  c.num_valid = array_of(*num_valid);
-  c.enable = array_of(*enable);
-  c.offsets = array_of(*offsets);
-  c.seeds = array_of(*seeds);
-  c.num_valid_reqs = array_of(*num_valid_reqs);
-  c.window = attrs.window;
-  c.token_offset = attrs.token_offset;
-  c.has_lut = attrs.has_lut;
-  c.has_pool = attrs.has_pool;
-  c.has_row_starts = attrs.has_row_starts;
+  const PlanCall c{array_of(rpi),        array_of(prefix),     array_of(extend),    array_of(r2t),
+                   array_of(lut),        array_of(pool),       array_of(valid_lens), array_of(row_starts),
+                   array_of(*slots),     array_of(*tokens),    array_of(*positions), array_of(*prevs),
+                   array_of(*num_valid), array_of(*enable),    array_of(*offsets),  array_of(*seeds),
+                   array_of(*num_valid_reqs),
+                   attrs.window,         attrs.token_offset,   attrs.has_lut,       attrs.has_pool,
+                   attrs.has_row_starts};
   if (const std::string e = check_plan(c); !e.empty()) return refused(e);
   return P::plan(ctx, plan_args(c), c.rpi.dim0, c.slots.elements, c.seeds.elements, plan_out(c), scratch_view(extra));
 }

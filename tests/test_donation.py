@@ -260,8 +260,8 @@ def test_native_handlers_return_no_data_dependent_errors():
     data. A CUDA handler's host code cannot see device values without a device->host copy or a sync
     (which the graph-safety rule of docs/design.md forbids anyway), so its errors
     (launch/resource/alignment) cannot depend on data as long as there is none: check that."""
-    cpu = [ROOT / "csrc" / f for f in ("ffi_handlers.h", "call_args.h", "cpu_handlers.cc", "cpu_handlers.h",
-                                       "cpu_launchers.h")]
+    cpu = [ROOT / "csrc" / f for f in ("ffi_handlers.h", "ffi_attrs.h", "call_args.h", "cpu_handlers.cc",
+                                       "cpu_handlers.h", "cpu_launchers.h")]
     gpu = [ROOT / "cuda" / f for f in ("cuda_handlers.cc", "cuda_kernels.h", "cuda_kernels.cu")]
     assert all(p.is_file() for p in cpu + gpu)
     offenders = []

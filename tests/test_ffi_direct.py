@@ -171,3 +171,44 @@ def test_bad_arguments_are_refused_by_the_handler(op, kw, message):
     with pytest.raises(Exception, match=re.escape("kv-canary: " if message.startswith("kvcanary_")
                                                   else "") + re.escape(message)):
         jax.block_until_ready(OPS[op](**kw))
+
+
+def _verify_with_attrs(**attrs):
+    log = log_buffers()
+    call = jax.ffi.ffi_call(_ffi.VERIFY_TARGET, tuple(map(sds, log)) + (sds(u8(0)),),
+                            input_output_aliases={1: 0, 2: 1, 3: 2, 4: 3})
+    return call(u8(64, 32), *log, i32(4), i32(4), i32(4), i32(4), i32(1), i32(1), **attrs)
+
+
+def _good_verify_attrs():
+    return dict(tag=np.int64(0), check_token=np.bool_(False), **geometry_attrs())
+
+
+BAD_ATTRS = [
+    ("missing", lambda a: a.pop("check_token"), "Wrong number of attributes: expected 7 attributes but got 6"),
+    ("extra", lambda a: a.update(extra=np.int64(1)), "Wrong number of attributes: expected 7 attributes but got 8"),
+    ("renamed", lambda a: a.update(tagg=a.pop("tag")), "Attribute name mismatch: tagg vs tag"),
+    # (a value other than the good call's: jax's cache takes np.int32(0) for the np.int64(0) it saw)
+    ("wrong_dtype", lambda a: a.update(tag=np.int32(1)), "Wrong scalar data type: expected S64 but got S32"),
+    ("scalar_for_array", lambda a: a.update(page_size=np.int64(1)), "Wrong attribute type"),
+]
+
+
+@pytest.mark.parametrize("change, message", [b[1:] for b in BAD_ATTRS], ids=[b[0] for b in BAD_ATTRS])
+def test_attributes_of_another_name_count_or_type_are_refused(change, message):
+    """The attributes decode by their sorted positions (csrc/ffi_attrs.h): a missing,
+    extra, renamed or mistyped one is an error naming it, never a value read from another attribute."""
+    attrs = _good_verify_attrs()
+    jax.block_until_ready(_verify_with_attrs(**attrs))
+    change(attrs)
+    with pytest.raises(Exception, match=re.escape(message)):
+        jax.block_until_ready(_verify_with_attrs(**attrs))
+
+
+def test_plan_attributes_of_the_wrong_type_are_refused():
+    outs = (sds(i32(8)),) * 4 + (sds(i32(1)),) * 2 + (sds(i32(3)), sds(i32(2)), sds(i32(1)))
+    call = jax.ffi.ffi_call(_ffi.PLAN_TARGET, outs)
+    with pytest.raises(Exception, match="Wrong scalar data type"):
+        jax.block_until_ready(call(i32(2), i32(2), i32(2), i32(4, 8), i32(0), i32(0, 0), i32(0), i32(0),
+                                   window=np.int64(0), token_offset=np.int64(0), has_lut=np.int64(1),
+                                   has_pool=np.bool_(False), has_row_starts=np.bool_(False)))
