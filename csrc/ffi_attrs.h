@@ -55,9 +55,11 @@ constexpr AttrField<S, M> attr_field(std::string_view name, M S::*member) {
 template <class S>
 struct AttrSchema;
 
+// verify and write: the launch tag, the op's one flag, and the real-KV mode and geometry
 template <class S>
-constexpr auto real_kv_attr_fields() {
-  return std::make_tuple(attr_field<S, int32_t>("mode", &S::mode),
+constexpr auto log_op_attr_fields(std::string_view flag_name, bool S::*flag) {
+  return std::make_tuple(attr_field<S, int64_t>("tag", &S::tag), attr_field<S, bool>(flag_name, flag),
+                         attr_field<S, int32_t>("mode", &S::mode),
                          attr_field<S, ffi::Span<const int64_t>>("page_size", &S::page_size),
                          attr_field<S, ffi::Span<const int64_t>>("bytes_per_token", &S::bytes_per_token),
                          attr_field<S, ffi::Span<const int64_t>>("read_bytes", &S::read_bytes),
@@ -65,17 +67,11 @@ constexpr auto real_kv_attr_fields() {
 }
 template <>
 struct AttrSchema<VerifyAttrs> {
-  static constexpr auto fields =
-      std::tuple_cat(std::make_tuple(attr_field("tag", &VerifyAttrs::tag),
-                                     attr_field("check_token", &VerifyAttrs::check_token)),
-                     real_kv_attr_fields<VerifyAttrs>());
+  static constexpr auto fields = log_op_attr_fields("check_token", &VerifyAttrs::check_token);
 };
 template <>
 struct AttrSchema<WriteAttrs> {
-  static constexpr auto fields =
-      std::tuple_cat(std::make_tuple(attr_field("tag", &WriteAttrs::tag),
-                                     attr_field("input_assert", &WriteAttrs::input_assert)),
-                     real_kv_attr_fields<WriteAttrs>());
+  static constexpr auto fields = log_op_attr_fields("input_assert", &WriteAttrs::input_assert);
 };
 template <>
 struct AttrSchema<PlanAttrs> {
