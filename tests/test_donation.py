@@ -3,8 +3,8 @@
 Inside a jitted step that donates the canary state:
 
 * the compiled HLO aliases every donated state parameter to an output (``input_output_alias``) and
-  contains no ``copy`` of a state-shaped buffer (ffi: none at all; xla: none of the canary, the ring
-  or the counters — see ``hlo.XLA_ALLOWED_COPIES``);
+  contains no ``copy`` of a state-shaped buffer (ffi: none at all; xla: none of the canary or the
+  ring, and of the 96-byte counters at most one each from jax 0.11 — see ``hlo.XLA_ALLOWED_COPIES``);
 * no "donated buffers were not usable" warning is emitted (all warnings are errors here);
 * the donated input arrays are really consumed (deleted) and replaced by valid outputs;
 * maximally malformed data fed into a donated step completes and gives the reference's bytes: a

@@ -111,11 +111,16 @@ def _vary(tree, refs):
 
 
 def _counter_add(counters, tag: int, delta):
-    """counters[tag] += delta (little-endian int64, wrap mod 2**64); delta: int32 scalar >= 0."""
-    p = U.from_bytes(counters[tag][None, :])                    # pair of [1]
-    d = (jnp.reshape(lax.bitcast_convert_type(_i32(delta), U32), (1,)), jnp.zeros((1,), U32))
-    p = U.add(p, d)
-    return counters.at[tag].set(U.to_bytes(p[0], p[1]).reshape(consts.COUNTER_BYTES))
+    """counters[tag] += delta (little-endian int64, wrap mod 2**64); delta: int32 scalar >= 0.
+
+    Every row is rebuilt (adding 0 to the others) rather than row ``tag`` updated in place: from jax
+    0.11 XLA copies the whole array around a one-row update, once per update, while the rebuilt array
+    costs one copy per step at most, into the donated output."""
+    p = U.from_bytes(counters)                                                   # pair of [T, 1]
+    row = lax.broadcasted_iota(I32, p[0].shape, 0) == tag
+    lo = jnp.where(row, lax.bitcast_convert_type(_i32(delta), U32), jnp.uint32(0))
+    p = U.add(p, (lo, jnp.zeros_like(lo)))
+    return U.to_bytes(p[0], p[1])
 
 
 def _gather(fields, item):
