@@ -4,7 +4,7 @@
 # jax (the jaxlib==X pin of pyproject's [build-system] requires) and one with the newest jax the
 # registry has for this Python, and check in each that the native CPU handlers are registered, that
 # impl=None picks them, and that plan + write + verify + scatter give the same bytes as impl='xla'
-# (tests/build/roundtrip.py).
+# (tests/build/roundtrip.py); on the newest, also the direct handler calls and the donation tests.
 #
 #   tests/build/check_wheel_compat.sh PYTHON WORKDIR
 #
@@ -57,5 +57,15 @@ if [ -n "${KVC_COMPAT_NEWEST:-}" ]; then
 else
   check newest jax
 fi
+# What changes with XLA itself: the handlers' argument and attribute decoding called directly
+# (csrc/ffi_attrs.h relies on XLA passing the attributes sorted by name), and what the compiler
+# copies in a donated step, on the newest jax
+echo "== newest: direct handler calls and donation (pytest)"
+t0=$SECONDS
+quiet "$work/venv-newest/bin/python" -m pip install --disable-pip-version-check pytest
+(cd "$root" && export JAX_PLATFORMS=cpu && quiet "$work/venv-newest/bin/python" -m pytest -q -p no:cacheprovider \
+  tests/test_ffi_direct.py tests/test_donation.py)
+tail -1 "$work/last.log"
+echo "   ($(( SECONDS - t0 )) s)"
 echo "wheel compat: ok (one wheel, native ffi == xla on jaxlib $pin and" \
   "$("$work/venv-newest/bin/python" -c 'import jaxlib; print(jaxlib.__version__)'))"
