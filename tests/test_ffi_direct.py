@@ -44,12 +44,14 @@ def log_buffers(ring=(16, 64), tags=TAGS, slot_tags=None):
 
 
 def verify(canary=(64, 32), ring=(16, 64), tags=TAGS, slots=i32(4), tokens=i32(4), positions=i32(4),
-           prevs=i32(4), num_valid=i32(1), enable=i32(1), sources=(), tag=0, mode=0, geometry=()):
+           prevs=i32(4), num_valid=i32(1), enable=i32(1), sources=(), tag=0, mode=0, geometry=(), attrs=None):
+    """``attrs``: the call's attributes as given, instead of those of ``tag``, ``mode`` and ``geometry``."""
+    if attrs is None:
+        attrs = dict(tag=np.int64(tag), check_token=np.bool_(False), **geometry_attrs(mode, geometry))
     log = log_buffers(ring, tags, tags)
     call = jax.ffi.ffi_call(_ffi.VERIFY_TARGET, tuple(map(sds, log)) + (sds(u8(0)),),
                             input_output_aliases={1: 0, 2: 1, 3: 2, 4: 3})
-    return call(u8(*canary), *log, slots, tokens, positions, prevs, num_valid, enable, *sources,
-                tag=np.int64(tag), check_token=np.bool_(False), **geometry_attrs(mode, geometry))
+    return call(u8(*canary), *log, slots, tokens, positions, prevs, num_valid, enable, *sources, **attrs)
 
 
 def write(canary=(64, 32), ring=(16, 64), chain=i32(1), offsets=i32(3), seeds=i32(2), valid=i32(1),
@@ -66,14 +68,15 @@ def write(canary=(64, 32), ring=(16, 64), chain=i32(1), offsets=i32(3), seeds=i3
 
 def plan(rpi=i32(2), prefix=i32(2), extend=i32(2), r2t=i32(4, 8), lut=i32(0), pool=i32(0, 0),
          valid_lens=i32(0), row_starts=i32(0), vcap=8, wcap=2, offsets_len=None, window=0,
-         token_offset=0, has_lut=False, has_pool=False, has_row_starts=False):
+         token_offset=0, has_lut=False, has_pool=False, has_row_starts=False, attrs=None):
+    if attrs is None:
+        attrs = dict(window=np.int64(window), token_offset=np.int64(token_offset), has_lut=np.bool_(has_lut),
+                     has_pool=np.bool_(has_pool), has_row_starts=np.bool_(has_row_starts))
     outs = (sds(i32(vcap)),) * 4 + (sds(i32(1)),) * 2 + (
         sds(i32(wcap + 1 if offsets_len is None else offsets_len)), sds(i32(wcap)), sds(i32(1)),
         sds(u8(0)))
     call = jax.ffi.ffi_call(_ffi.PLAN_TARGET, outs)
-    return call(rpi, prefix, extend, r2t, lut, pool, valid_lens, row_starts, window=np.int64(window),
-                token_offset=np.int64(token_offset), has_lut=np.bool_(has_lut),
-                has_pool=np.bool_(has_pool), has_row_starts=np.bool_(has_row_starts))
+    return call(rpi, prefix, extend, r2t, lut, pool, valid_lens, row_starts, **attrs)
 
 
 def scatter(pool=i32(4, 8), flat=i32(6), offsets=i32(3), rpi=i32(2)):
@@ -173,13 +176,6 @@ def test_bad_arguments_are_refused_by_the_handler(op, kw, message):
         jax.block_until_ready(OPS[op](**kw))
 
 
-def _verify_with_attrs(**attrs):
-    log = log_buffers()
-    call = jax.ffi.ffi_call(_ffi.VERIFY_TARGET, tuple(map(sds, log)) + (sds(u8(0)),),
-                            input_output_aliases={1: 0, 2: 1, 3: 2, 4: 3})
-    return call(u8(64, 32), *log, i32(4), i32(4), i32(4), i32(4), i32(1), i32(1), **attrs)
-
-
 def _good_verify_attrs():
     return dict(tag=np.int64(0), check_token=np.bool_(False), **geometry_attrs())
 
@@ -199,16 +195,14 @@ def test_attributes_of_another_name_count_or_type_are_refused(change, message):
     """The attributes decode by their sorted positions (csrc/ffi_attrs.h): a missing,
     extra, renamed or mistyped one is an error naming it, never a value read from another attribute."""
     attrs = _good_verify_attrs()
-    jax.block_until_ready(_verify_with_attrs(**attrs))
+    jax.block_until_ready(verify(attrs=attrs))
     change(attrs)
     with pytest.raises(Exception, match=re.escape(message)):
-        jax.block_until_ready(_verify_with_attrs(**attrs))
+        jax.block_until_ready(verify(attrs=attrs))
 
 
 def test_plan_attributes_of_the_wrong_type_are_refused():
-    outs = (sds(i32(8)),) * 4 + (sds(i32(1)),) * 2 + (sds(i32(3)), sds(i32(2)), sds(i32(1)))
-    call = jax.ffi.ffi_call(_ffi.PLAN_TARGET, outs)
-    with pytest.raises(Exception, match="Wrong scalar data type"):
-        jax.block_until_ready(call(i32(2), i32(2), i32(2), i32(4, 8), i32(0), i32(0, 0), i32(0), i32(0),
-                                   window=np.int64(0), token_offset=np.int64(0), has_lut=np.int64(1),
-                                   has_pool=np.bool_(False), has_row_starts=np.bool_(False)))
+    attrs = dict(window=np.int64(0), token_offset=np.int64(0), has_lut=np.int64(1), has_pool=np.bool_(False),
+                 has_row_starts=np.bool_(False))
+    with pytest.raises(Exception, match=re.escape("Wrong scalar data type: expected PRED but got S64")):
+        jax.block_until_ready(plan(attrs=attrs))
