@@ -20,7 +20,8 @@ import time
 
 import pytest
 
-from tests.support.sglang_server import LAUNCHER, TINY_ENGINE_ARGS, Server, installed_sglang_jax
+from tests.support.sglang_server import (LAUNCHER, TINY_ENGINE_ARGS, Server, free_port,
+                                         installed_sglang_jax)
 from tests.support.tiny_qwen2 import write_tiny_qwen2
 
 pytestmark = pytest.mark.integration
@@ -396,6 +397,38 @@ def test_unsupported_settings_are_refused_before_start(model_dir, args, refused)
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("kv-canary:")]
     assert len(lines) == 1 and lines[0].startswith(refused), r.stderr[-2000:]
+
+
+def test_two_nodes_are_refused_before_either_process_starts(model_dir):
+    """``--nnodes 2``: the two processes of a two-node server (one forced host device each, as
+    the stock server serves it) are each refused before anything starts, with one ``kv-canary:``
+    line, rather than dying on their first request (each would read back canary arrays that span
+    the other process's device)."""
+    import signal
+
+    init = free_port()
+    procs = []
+    try:
+        for rank in (0, 1):
+            cmd = [sys.executable, "-m", LAUNCHER, "--kv-canary", "log", "--model-path", model_dir,
+                   *TINY_ENGINE_ARGS, "--tp-size", "2", "--nnodes", "2", "--node-rank", str(rank),
+                   "--dist-init-addr", f"127.0.0.1:{init}", "--host", "127.0.0.1",
+                   "--port", str(free_port())]
+            env = dict(os.environ, JAX_PLATFORMS="cpu",
+                       XLA_FLAGS="--xla_force_host_platform_device_count=1")
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True, env=env, start_new_session=True))
+        for rank, proc in enumerate(procs):
+            _, err = proc.communicate(timeout=300)
+            lines = [ln for ln in err.splitlines() if ln.startswith("kv-canary:")]
+            assert proc.returncode == 2, (rank, err[-2000:])
+            assert len(lines) == 1 and lines[0].startswith(
+                "kv-canary: --nnodes 2 is not supported"), (rank, err[-2000:])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def test_bad_canary_flags_exit_2(model_dir):

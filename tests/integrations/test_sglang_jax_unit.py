@@ -174,6 +174,7 @@ def test_refusals_name_the_setting_and_the_fix():
     assert refusals(server_args(tp_size=4), log) == []            # tensor parallel: covered
     cases = [
         (dict(dp_size=2), "kv-canary: --dp-size 2 is not supported"),
+        (dict(nnodes=2, tp_size=2), "kv-canary: --nnodes 2 is not supported"),
         (dict(speculative_algorithm="EAGLE"), "kv-canary: --speculative-algorithm EAGLE"),
         (dict(enable_lora=True), "kv-canary: --enable-lora is not supported"),
         (dict(hicache_storage="file"), "kv-canary: --hicache-storage file is not supported"),

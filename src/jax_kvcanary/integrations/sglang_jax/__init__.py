@@ -17,8 +17,8 @@ version string), the overlap scheduler and the non-overlap one, page sizes 1 and
 and fa attention backends, ``--enable-single-process``, the AOT dispatcher, tensor parallelism
 (main: one canary state per device of the ``tensor`` axis, each checking its own KV heads), the
 write-input assert and the token check (main: ``tokens``).
-Refused before start (``server.refusals``): data parallelism, speculative decoding, LoRA,
-multimodal, PD disaggregation, HiCache, MLA and hybrid (SWA, recurrent) KV pools.
+Refused before start (``server.refusals``): several nodes, data parallelism, speculative
+decoding, LoRA, multimodal, PD disaggregation, HiCache, MLA and hybrid (SWA, recurrent) KV pools.
 
 Modules: ``canary`` (``SglangJaxCanary``: the wrapped model call and its checks), ``layout`` (the
 engine's arrays as the canary addresses them), ``server`` (refusals, the guarded scheduler),

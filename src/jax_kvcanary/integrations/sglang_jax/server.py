@@ -51,6 +51,10 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
 
     off = "or run with --kv-canary none"
     a = server_args
+    if int(getattr(a, "nnodes", 1) or 1) > 1:
+        refuse(f"--nnodes {a.nnodes}",
+               "each process would read back canary arrays that span the devices of the other "
+               "processes", f"serve from one node (--nnodes 1), {off}")
     if int(a.dp_size) != 1:
         refuse(f"--dp-size {a.dp_size}", "the page table is split per data-parallel rank",
                f"run with --dp-size 1, {off}")
