@@ -17,6 +17,7 @@ from jax_kvcanary.consts import RealKvHashMode
 from jax_kvcanary.integrations import sglang_jax as kvc_sgl
 from jax_kvcanary.integrations.sglang_jax import layout
 from jax_kvcanary.runtime import CanaryConfig
+from tests.support.sglang_fakes import fake_runner
 
 pytestmark = pytest.mark.integration
 
@@ -60,16 +61,6 @@ def test_install_none_installs_nothing_and_bad_runners_are_refused():
                                          "is a ChunkCache"):
         kvc_sgl.install(object(), CanaryConfig(mode="log", sweep_interval=4),
                         tree_cache=type("ChunkCache", (), {})())
-
-
-def fake_runner(kv0, **kw):
-    pool = types.SimpleNamespace(kv_buffer=[kv0])
-    attrs = dict(jitted_run_model=lambda fb, lm: None, mesh=object(), token_to_kv_pool=pool,
-                 memory_pools=types.SimpleNamespace(_pools={"token_to_kv_pool": pool},
-                                                    replace_all=lambda u: None),
-                 page_size=1, server_args=types.SimpleNamespace(attention_backend="native"))
-    attrs.update(kw)
-    return types.SimpleNamespace(**attrs)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -42,7 +42,8 @@ LOGGER = logging.getLogger("jax_kvcanary")
 @dataclasses.dataclass(frozen=True)
 class Violation:
     """One decoded ring row. ``row`` is int64[8]; ``index`` its ring row; ``device`` its device
-    (None for a single-device engine); ``step`` the monitor step that pumped it."""
+    (None for a single-device engine); ``step`` the monitor step that pumped it; ``launch_step``
+    the monitor step whose launches recorded it (``step`` for rows found on the host)."""
 
     row: np.ndarray
     report: str
@@ -51,6 +52,7 @@ class Violation:
     total: int
     ring_capacity: int
     device: Optional[int] = None
+    launch_step: Optional[int] = None
 
     @property
     def tag(self) -> int:
@@ -151,8 +153,11 @@ class Monitor:
         self.stopped = False
         self._pending = collections.deque()   # (snapshot array, monitor step), oldest first
         self._state = None          # last state passed in (its ring is read on a counter move)
-        self._watermark = None      # int64[D]
+        self._watermark = None      # int64[D]: ring rows reported since the last ring reset
+        self._recycled = None       # int64[D]: write_index values cleared by ring resets
         self.host_total = 0         # rows given to report_rows
+        self.rows_lost = 0          # rows the full ring could not keep (counted, never decoded)
+        self.lost_steps: List[int] = []   # monitor steps whose launches lost rows, in order
         self.episodes = episodes
 
     @classmethod
@@ -221,6 +226,36 @@ class Monitor:
             self.close_episodes()
         return new
 
+    def flush_through(self, step: int) -> List[Violation]:
+        """Decode the pending readbacks of the monitor steps up to ``step`` (blocks on them), and
+        keep the later ones pending: a caller that must know what a step found before it acts on
+        the step's results (e.g. before a request finishes), while later steps may still run."""
+        new: List[Violation] = []
+        while (self.mode != "none" and not self.stopped and self._pending
+               and self._pending[0][1] <= step):
+            snap, snap_step = self._pending.popleft()
+            new += self._decode(snap, snap_step)
+        return new
+
+    def ring_recycled(self) -> None:
+        """The owner of the state has reset the device ring's ``write_index`` to 0 (every row
+        decoded first: call it with no readback pending). Later rows are numbered from 0 again;
+        ``total`` goes on counting every row."""
+        if self._pending:
+            raise RuntimeError("kv-canary: the ring was reset with readbacks still pending")
+        if self._watermark is None:
+            return
+        wi = self._watermark              # the write_index of the last launch, every row decoded
+        self._recycled = wi if self._recycled is None else self._recycled + wi
+        self._watermark = np.zeros_like(wi)
+        if self.counters is not None:
+            self.counters = dataclasses.replace(self.counters, write_index=np.zeros_like(wi))
+
+    @property
+    def ring_has_rows(self) -> bool:
+        """Whether rows were recorded since the ring was last reset (decoded or lost)."""
+        return self._watermark is not None and bool(np.any(self._watermark > 0))
+
     def close_episodes(self) -> None:
         """End the open episodes (``EpisodeLog``), logging each one's summary line."""
         if self.episodes is not None:
@@ -248,8 +283,7 @@ class Monitor:
         if not full and not self.health.due(snap_step) and not any(
                 n and snap_step % n == 0 for n in (self.stats_interval, self.counters_interval)):
             wi = np.ascontiguousarray(host.reshape(-1, host.shape[-1])[:, :4]).view("<i4")
-            if self._watermark is not None and np.all(
-                    np.minimum(wi[:, 0], int(log.ring.shape[-2])) <= self._watermark):
+            if self._watermark is not None and np.all(wi[:, 0] <= self._watermark):
                 return []
         counters = CounterSnapshot.decode(host, num_tags)
         self.counters = counters
@@ -258,7 +292,13 @@ class Monitor:
         if self._watermark is None:
             self._watermark = np.zeros((ndev,), np.int64)
         cap = int(log.ring.shape[-2])
-        ends = np.clip(counters.write_index, 0, cap)
+        wi = counters.write_index.astype(np.int64)
+        ends = np.clip(wi, 0, cap)
+        base = np.zeros_like(wi) if self._recycled is None else self._recycled
+        lost = int(np.sum(np.maximum(wi - np.maximum(self._watermark, cap), 0)))
+        if lost:                     # rows past a full ring: counted by write_index, not kept
+            self.rows_lost += lost
+            self.lost_steps.append(snap_step)
         new: List[Violation] = []
         if np.any(ends > self._watermark):
             ring = np.ascontiguousarray(np.asarray(log.ring)).view("<i8").astype(np.int64)
@@ -266,11 +306,12 @@ class Monitor:
             for d in range(ndev):
                 for i in range(int(self._watermark[d]), int(ends[d])):
                     row = ring[d, i].copy()
-                    total = int(counters.write_index[d])
+                    total = int(base[d] + wi[d])
                     text = format_report(row, total=total, ring_capacity=cap, step=self.steps,
                                          device=d if multi else None)
-                    new.append(Violation(row, text, self.steps, i, total, cap, d if multi else None))
-                self._watermark[d] = max(int(self._watermark[d]), int(ends[d]))
+                    new.append(Violation(row, text, self.steps, i, total, cap, d if multi else None,
+                                         snap_step))
+        self._watermark = np.maximum(self._watermark, np.maximum(wi, 0))
         self._emit(new)
         self.health.observe(snap_step, counters.kernel_runs)
         if self.stats_interval and snap_step % self.stats_interval == 0:
@@ -327,7 +368,8 @@ class Monitor:
         """Violations recorded so far: the sum of ``write_index`` over devices, as last read back, plus
         the rows given to ``report_rows``."""
         device = 0 if self.counters is None else int(self.counters.write_index.sum())
-        return device + self.host_total
+        recycled = 0 if self._recycled is None else int(self._recycled.sum())
+        return device + recycled + self.host_total
 
     def stats_line(self, steps: Optional[int] = None) -> str:
         """``kv_canary stats: steps=N violations=V TAG=runs:..,verified:..,written:.. ...`` from the

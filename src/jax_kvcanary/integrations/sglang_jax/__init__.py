@@ -23,8 +23,9 @@ decoding, LoRA, multimodal, PD disaggregation, HiCache, MLA and hybrid (SWA, rec
 Modules: ``canary`` (``SglangJaxCanary``: the wrapped model call and its checks), ``layout`` (the
 engine's arrays as the canary addresses them), ``server`` (refusals, the guarded scheduler),
 ``launch_server`` (the command), ``tokens`` (the intended tokens the write-input assert and the
-token check read), ``abort`` (mode ``abort``: the named requests aborted, the named
-slots evicted), ``metrics`` (the stats line, Prometheus counters), ``inject`` (faults for
+token check read), ``request_guard`` (the requests a violation concerns, found before their
+step's results are processed: aborted and their slots evicted in mode ``abort``, named in the log
+in mode ``log``), ``metrics`` (the stats line, Prometheus counters), ``inject`` (faults for
 testing), ``flags`` (the upstream flags).
 Importing this package does not import sglang-jax.
 """

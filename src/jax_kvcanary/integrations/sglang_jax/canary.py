@@ -51,7 +51,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -64,19 +64,14 @@ from ...runtime.episodes import EpisodeLog
 from ...runtime.monitor import Monitor, counter_snapshot
 from ...runtime.multidevice import global_view, local_view
 from ...runtime.sweep import DEFAULT_MIN_CAPACITY, bucket_capacity, build_group_sweep_plans
+from ...state import ViolationLog
+from .request_guard import batch_requests
 from .layout import (LegacyRunner, page_table_batch, real_kv_sources, replicated, runner_layout,
                      step_arrays)
 from .metrics import COUNTERS_INTERVAL, CanaryTotals, PrometheusCounters
 from .tokens import TokenMirror, with_intended_tokens
 
 LOGGER = logging.getLogger("jax_kvcanary")
-
-
-def batch_requests(batch) -> list:
-    """The requests of an sglang-jax ``ScheduleBatch``, in batch order (main keeps them per
-    data-parallel rank in ``reqs_info``, 0.0.2 in ``reqs``)."""
-    return [req for info in getattr(batch, "reqs_info", None) or [batch]
-            for req in getattr(info, "reqs", None) or []]
 
 
 def intended_tokens(runner, layout, config: CanaryConfig) -> Optional[TokenMirror]:
@@ -129,6 +124,21 @@ def cost_hint(cstate):
     (the launch's real work is in custom calls, which XLA counts as free)."""
     ring = cstate.log.ring
     return jnp.max(ring.reshape(-1)[:COST_HINT_ELEMENTS])
+
+
+class StepRecord(NamedTuple):
+    """A launch as the canary planned it: the batch id of its step, the step's arrays
+    (``layout.step_arrays``: device arrays, read on the host only when the launch recorded rows,
+    to find the batch rows they name: ``request_guard.named_batch_rows``) and whether it was a DECODE
+    step."""
+
+    bid: Optional[int]
+    arrays: dict
+    decode: bool
+
+
+#: launches whose ``StepRecord`` is kept (the readback runs at most a few steps behind)
+KEPT_STEP_RECORDS = 16
 
 
 class IdleReporter:
@@ -266,12 +276,17 @@ class SglangJaxCanary:
         self._launch_tokens = None                   # host tokens of the batch being launched
         self._check_fn = self._build_check()
         self._sweep_fn = self._build_sweep()
+        self._reset_ring_fn = self._build_ring_reset()
         self._pending_sweep = None                   # plans collected on the host, run by a step
         self._sweep_lock = threading.Lock()
         self.sweeps_from_wrapper = True              # False once a scheduler hook requests them
         self.launch_hooks = []                       # f(schedule_batch), before each launch
         self.step_hooks = []                         # f(forward_batch), before each step
         self.violation_hooks = []                    # f(new violations), after each readback
+        self.gate_hooks = []                         # f(batch, step), after gate()
+        self.gated = False                           # a scheduler hook calls gate() per batch
+        self.records = collections.OrderedDict()     # monitor step -> StepRecord
+        self._bid_steps = {}                         # batch id -> monitor step of its launch
         self.launches = 0                            # batches the scheduler hook has seen
         self.steps = self.sweeps = 0
         self.warming = False                         # inside precompile: nothing is reported
@@ -316,6 +331,8 @@ class SglangJaxCanary:
                                    COUNTERS_INTERVAL if self.metrics is not None else 0))
         self._seen_counters = None
         self.steps = self.sweeps = self.launches = 0
+        self.records.clear()
+        self._bid_steps.clear()
         self.host_time = HostTime()
         with self._sweep_lock:
             self._pending_sweep = None
@@ -368,6 +385,7 @@ class SglangJaxCanary:
                     self.state, _ = self._sweep_fn(self.state, plans, self.layout.kv0())
             if self.tokens is not None:
                 self.tokens.precompile()
+            self.state = self._reset_ring_fn(self.state)
             jax.block_until_ready(self.state)
         finally:
             self.warming = False
@@ -435,6 +453,19 @@ class SglangJaxCanary:
             sweep = self._per_device(sweep)
             return jax.jit(sweep, donate_argnums=(0,))
         return jax.jit(sweep, donate_argnums=(0,), out_shardings=self._state_sharding())
+
+    def _build_ring_reset(self):
+        """The jitted ``write_index`` reset of the violation ring (every device's), the state
+        donated: once the host has decoded every row, the ring takes new rows from row 0 again, so
+        that it never fills up over a server's life (``_recycle_ring``)."""
+
+        def reset(cstate):
+            log = cstate.log
+            return cstate.replace(log=ViolationLog(
+                log.ring, jnp.zeros_like(log.write_index), log.kernel_run_counters,
+                log.slot_run_counters, log.enable_chain_position_assert))
+
+        return jax.jit(reset, donate_argnums=(0,), out_shardings=self._state_sharding())
 
     # -- sweeps ---------------------------------------------------------------------------------
     def request_sweep(self) -> int:
@@ -507,11 +538,15 @@ class SglangJaxCanary:
                     self.tokens.before_step(getattr(forward_batch, "bid", None))
                     arrays["token_pool"] = self.tokens.pool
                     self._step_rows = (forward_batch.req_pool_indices, forward_batch.seq_lens)
-                self.state, snapshot, _ = self._check_fn(
-                    self.state, arrays, kv0, decode=bool(forward_batch.forward_mode.is_decode()))
+                decode = bool(forward_batch.forward_mode.is_decode())
+                self.state, snapshot, _ = self._check_fn(self.state, arrays, kv0, decode=decode)
                 if self.warming:
                     return outputs
-                self._after_readback(self.monitor.step(self.state, snapshot=snapshot, wait=False))
+                new = self.monitor.step(self.state, snapshot=snapshot, wait=False)
+                self._remember(StepRecord(getattr(forward_batch, "bid", None), arrays, decode))
+                if not self.gated:
+                    new += self._recycle_ring()
+                self._after_readback(new)
             except BaseException:
                 # mode 'raise' (or a health failure): the step has donated the KV pool already,
                 # so hand the engine its new buffers before raising, as its own forward would
@@ -527,6 +562,46 @@ class SglangJaxCanary:
                              CanaryTotals.read(self).stats_line(self.protected_tokens()),
                              len(self.host_time.recent), self.host_time.summary())
         return outputs
+
+    def _remember(self, record: StepRecord) -> None:
+        """Keep the ``StepRecord`` of the launch just pumped (the monitor's current step)."""
+        step = self.monitor.steps
+        self.records[step] = record
+        if record.bid is not None:
+            self._bid_steps[int(record.bid)] = step
+        while len(self.records) > KEPT_STEP_RECORDS:
+            old = self.records.popitem(last=False)[1]
+            if old.bid is not None:
+                self._bid_steps.pop(int(old.bid), None)
+
+    def _recycle_ring(self) -> list:
+        """If rows were recorded since the ring's last reset: decode every pending readback (blocks
+        on the last launch), then reset the device ring, so that it never fills up. Returns the
+        rows decoded. The monitor's lock is held."""
+        if not self.monitor.ring_has_rows or self.monitor.stopped:
+            return []
+        new = self.monitor.flush(close_episodes=False)
+        self.state = self._reset_ring_fn(self.state)
+        self.monitor.ring_recycled()
+        return new
+
+    def gate(self, batch, bid: Optional[int]) -> Optional[int]:
+        """What the launch of batch ``bid`` found, before the scheduler acts on that batch's
+        results (called by the scheduler hook of ``install_into_scheduler``, once the launch has
+        been dispatched): decode the readbacks up to that launch (blocks on it), recycle the ring
+        if it holds rows, hand new rows to the ``violation_hooks``, then call the ``gate_hooks``
+        with ``(batch, step)``. Returns the launch's monitor step, or None when no launch of
+        the canary had that batch id (nothing to wait for)."""
+        with self._monitor_lock:
+            step = None if bid is None else self._bid_steps.get(int(bid))
+            if step is None or self.warming:
+                return None
+            new = self.monitor.flush_through(step)
+            new += self._recycle_ring()
+            self._after_readback(new)
+        for hook in self.gate_hooks:
+            hook(batch, step)
+        return step
 
     def _sample(self, *args, **kwargs):
         """The engine's sampler, then its tokens stored as the requests' next inputs (the
@@ -558,8 +633,8 @@ class SglangJaxCanary:
                 return True
             if not self.monitor.ready:
                 return False
-            if self.monitor.pending:
-                self._after_readback(self.monitor.flush(close_episodes=False))
+            new = self.monitor.flush(close_episodes=False) if self.monitor.pending else []
+            self._after_readback(new + self._recycle_ring())
             if close:
                 self.monitor.close_episodes()
             return True
@@ -567,7 +642,8 @@ class SglangJaxCanary:
     def flush(self):
         """Report what the last step's readback holds (blocks on it); returns new violations."""
         with self._monitor_lock:
-            return self.monitor.flush()
+            new = self.monitor.flush()
+            return new + self._recycle_ring()
 
 
 def install(model_runner, config: CanaryConfig, *, tree_cache=None,
@@ -620,6 +696,7 @@ def install_into_scheduler(scheduler, config: CanaryConfig, **kw) -> Optional[Sg
         return run_batch(batch, *args, **kwargs)
 
     scheduler.run_batch = run_batch_with_canary
+    gate_before_results(scheduler, canary)
     if canary.tokens is not None:
         worker = scheduler.tp_worker
         forward_batch_generation = worker.forward_batch_generation
@@ -630,3 +707,39 @@ def install_into_scheduler(scheduler, config: CanaryConfig, **kw) -> Optional[Sg
 
         worker.forward_batch_generation = forward_batch_generation_with_canary
     return canary
+
+
+def gate_before_results(scheduler, canary: SglangJaxCanary) -> None:
+    """Hook the scheduler so that ``canary.gate`` runs for every batch after its launch was
+    dispatched and before its results are processed (before any of its requests can finish and
+    answer its client): at the start of ``process_batch_result`` with the non-overlap scheduler
+    (``run_batch`` ran the step), and right after ``tp_worker.resolve_last_batch_result`` with the
+    overlap one (the forward thread has dispatched the step once it hands over the results)."""
+    process = scheduler.process_batch_result
+    overlap = bool(getattr(scheduler, "enable_overlap", False))
+    worker = scheduler.tp_worker
+    waiting = []                                   # (batch, bid) whose results are being resolved
+
+    def process_batch_result_with_canary(batch, result, *args, **kwargs):
+        bid = getattr(result, "bid", None)
+        if not overlap:
+            canary.gate(batch, bid)
+            return process(batch, result, *args, **kwargs)
+        waiting.append((batch, bid))
+        try:
+            return process(batch, result, *args, **kwargs)
+        finally:
+            waiting.clear()
+
+    scheduler.process_batch_result = process_batch_result_with_canary
+    if overlap:
+        resolve = worker.resolve_last_batch_result
+
+        def resolve_last_batch_result_with_canary(*args, **kwargs):
+            out = resolve(*args, **kwargs)
+            if waiting:
+                canary.gate(*waiting.pop())
+            return out
+
+        worker.resolve_last_batch_result = resolve_last_batch_result_with_canary
+    canary.gated = True

@@ -8,6 +8,10 @@ from ...runtime.config import CanaryConfig
 
 MODES = ("none", "log", "abort", "raise")
 REAL_DATA_CHOICES = ("none", "partial", "all")
+#: rows of the violation ring in the server (1 MiB per device): the ring is emptied after every
+#: step that recorded rows, so it holds at most the rows of the steps since; a step with more
+#: loses the rest (counted, and in mode ``abort`` every request of that step is aborted)
+RING_CAPACITY = 1 << 14
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -40,7 +44,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def aborts(ns: argparse.Namespace) -> bool:
     """Whether the flags ask for mode ``abort`` (whose ``CanaryConfig`` mode is ``'log'``: the
-    monitor logs, the server's ``RequestAborter`` aborts)."""
+    monitor logs, the server's ``request_guard.RequestGuard`` aborts)."""
     return getattr(ns, "kv_canary", "none") == "abort"
 
 
@@ -52,6 +56,7 @@ def config_from_args(ns: argparse.Namespace, **overrides) -> CanaryConfig:
         raise ValueError(f"kv-canary: --kv-canary-real-data must be one of {REAL_DATA_CHOICES}, "
                          f"got {real!r}")
     mode = "log" if aborts(ns) else getattr(ns, "kv_canary", "none")
+    overrides.setdefault("ring_capacity", RING_CAPACITY)
     return CanaryConfig(mode=mode, real_kv_hash_mode=real.upper(),
                         sweep_interval=getattr(ns, "kv_canary_sweep_interval", 0),
                         stats_interval=getattr(ns, "kv_canary_stats_interval", 0),

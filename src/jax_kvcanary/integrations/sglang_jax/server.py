@@ -27,7 +27,7 @@ from typing import List, Optional
 from ...runtime.config import CanaryConfig
 from ...runtime.errors import CanaryHealthError, CanaryViolationError
 from .canary import LOGGER, install_into_scheduler
-from .abort import install_aborter
+from .request_guard import install_request_guard
 from .inject import TOKEN_KINDS, FaultInjector, InjectSpec
 from .layout import ATTENTION_BACKENDS
 from .metrics import PrometheusCounters, protected_tokens
@@ -151,7 +151,8 @@ class Guard:
     Attributes:
       config: the canary's ``CanaryConfig``.
       inject: the fault to plant (``--kv-canary-inject``), or None.
-      abort: mode ``abort``: a violation aborts the requests it names (``abort.RequestAborter``).
+      abort: mode ``abort``: a violation aborts the requests it concerns
+        (``request_guard.RequestGuard``; in mode ``log`` it names them in the log).
     """
 
     config: CanaryConfig
@@ -176,8 +177,8 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
             injector = FaultInjector(inject, canary, scheduler, logger=logger)
             canary.launch_hooks.append(injector.before_launch)
             canary.step_hooks.append(injector.before_step)
-        if guard.abort:
-            install_aborter(scheduler, canary, logger)
+        if guard.abort or config.mode == "log":
+            install_request_guard(scheduler, canary, logger, abort=guard.abort)
     except (TypeError, ValueError) as e:
         logger.error("%s; this server runs WITHOUT the canary", e)
         if precompile:

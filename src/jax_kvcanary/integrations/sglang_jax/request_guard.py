@@ -1,0 +1,368 @@
+"""The requests a violation concerns, named before their step's results are processed: in mode
+``abort`` they end with an abort (and the slots named leave the prefix cache), in mode ``log``
+each is named in the log.
+
+The promise of mode ``abort``: a request whose KV a violation concerns never answers as if nothing
+happened. Mode ``log`` names every such request once (``kv-canary: request rid=... read KV that
+failed the canary ...``), so an operator knows which answers not to trust.
+
+1. **Before a step's results are processed** (``SglangJaxCanary.gate``, hooked in front of the
+   scheduler's ``process_batch_result``), the canary decodes what that step's launch found. So
+   no request can finish, and no client get its answer, before the checks of every step it took
+   part in have been read; and no rate limit, episode folding or readback lag of the log decides
+   which rows reach the aborter (it gets every row).
+2. **Each row names requests by what the step read and wrote** (``named_batch_rows``, from the
+   step's own arrays, the ones its launch planned from): a verify row (slot ``s``, position ``p``)
+   names the batch rows whose page-table segment holds ``s`` at ``p``; a write row names the
+   batch row whose new token was written to ``s``; a sweep row (a cached slot) names the running
+   requests whose ``req_to_token`` row holds ``s`` at ``p``. A request that merely shares a slot a
+   row names, at another position (the row's reader had a wrong page table), is not aborted.
+3. Every named request that has not finished gets sglang-jax's own abort,
+   ``req.to_finish = FINISH_ABORT(message)``, before the step's results are processed (mode
+   ``log``: one line naming it, the first time a row concerns it): it
+   finishes there, its KV is freed as for any finished request, and the HTTP client gets a
+   finished response whose ``finish_reason`` is ``{"type": "abort", "message": "kv-canary:
+   ..."}``.
+4. A step whose rows overflowed the ring (``Monitor.lost_steps``: rows counted, not kept): every
+   live request of that step is aborted, since its lost rows could name any of them.
+5. A named slot stays quarantined until it is neither in a running request nor in the prefix
+   cache: every radix-tree node holding it is evicted with its subtree (its tokens are recomputed
+   by the next request that needs them) as soon as no request holds a lock on it. Eviction runs
+   before the scheduler matches new requests against the tree (``before_schedule``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ...consts import FailReason, IndexKind, LaunchTag
+from .layout import segment_starts
+
+#: how many named slots one abort message lists
+MESSAGE_SLOTS = 4
+
+_WRITE_BITS = int(FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH)
+_OUT_OF_RANGE = int(FailReason.INDEX_OUT_OF_RANGE)
+_POSITION_BIT = int(FailReason.VERIFY_POSITION_MISMATCH)
+_SWEEP_TAGS = (int(LaunchTag.SWEEP_K_FULL), int(LaunchTag.SWEEP_V_FULL))
+_WRITE_INDEX_KINDS = (int(IndexKind.WRITE_SLOT), int(IndexKind.WRITE_SEED))
+_VERIFY_INDEX_KINDS = (int(IndexKind.VERIFY_SLOT), int(IndexKind.VERIFY_PREV))
+
+
+def running_requests(scheduler) -> List:
+    """The unfinished requests of the scheduler's running batch and of the batch it launched last
+    (as ``Scheduler.abort_request`` enumerates them)."""
+    reqs, seen = [], set()
+    for batch in (getattr(scheduler, "running_batch", None), getattr(scheduler, "cur_batch", None)):
+        for req in batch_requests(batch):
+            if id(req) not in seen and not req.finished():
+                seen.add(id(req))
+                reqs.append(req)
+    return reqs
+
+
+def batch_requests(batch) -> list:
+    """The requests of an sglang-jax ``ScheduleBatch``, in batch order (main keeps them per
+    data-parallel rank in ``reqs_info``, 0.0.2 in ``reqs``)."""
+    return [req for info in getattr(batch, "reqs_info", None) or [batch]
+            for req in getattr(info, "reqs", None) or []]
+
+
+def request_slots(req, req_to_token: np.ndarray) -> np.ndarray:
+    """The KV slots a request holds: its ``req_to_token`` row up to the KV allocated to it."""
+    if req.req_pool_idx is None:
+        return np.zeros((0,), np.int64)
+    n = max(int(getattr(req, "kv_allocated_len", 0) or 0), int(req.kv_committed_len or 0))
+    return np.asarray(req_to_token[req.req_pool_idx, :min(n, req_to_token.shape[1])])
+
+
+def row_kind(row: np.ndarray) -> str:
+    """``'sweep'``, ``'write'``, ``'verify'`` or ``'either'`` (an out-of-range row of a real-KV
+    source, which write and verify both read): which of a launch's entries a ring row is about."""
+    if int(row[0]) in _SWEEP_TAGS:
+        return "sweep"
+    bits = int(row[7])
+    if bits == _OUT_OF_RANGE:
+        kind = int(row[5])
+        return ("write" if kind in _WRITE_INDEX_KINDS else
+                "verify" if kind in _VERIFY_INDEX_KINDS else "either")
+    return "write" if bits & _WRITE_BITS else "verify"
+
+
+def read_at(row: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Which reads of a verify (or sweep) row's slot, at ``positions``, could have recorded it.
+    An out-of-range row holds the position the read expected; a check row holds the slot's
+    *stored* position (docs/format.md §8.3): reads at another position recorded it when it has
+    ``verify_position``, reads at that position otherwise."""
+    stored = int(row[2])
+    if int(row[7]) == _OUT_OF_RANGE or not int(row[7]) & _POSITION_BIT:
+        return positions == stored
+    return positions != stored
+
+
+def named_batch_rows(rows: np.ndarray, arrays: dict, *, decode: bool, page_size: int,
+                     aligned: bool) -> Dict[int, List[int]]:
+    """The batch rows a launch's ring rows name: ``{batch row: [indices into rows]}``; a row
+    that names no batch row (a sweep row, or one whose slot no entry of the step has) is left out.
+    A write row names the batch row whose entry wrote its slot with its position; a verify row
+    the batch rows whose segment holds its slot at a position that could have recorded it
+    (``read_at``). Two requests reading one slot at the same position are both named by a chain
+    row of that slot, even if only one of them had a wrong predecessor.
+
+    Args:
+      rows: ``int64[k, 8]``, ring rows recorded by the launch.
+      arrays: the step's arrays as the launch read them (``layout.step_arrays``; host or device).
+      decode, page_size, aligned: as the launch planned them (``layout.page_table_batch``).
+    """
+    get = lambda k: None if arrays.get(k) is None else np.asarray(arrays[k]).astype(np.int64)
+    rp, seq, loc = get("req_pool_indices"), get("seq_lens"), get("cache_loc")
+    live = (rp >= 0) & (seq > 0)
+    seq = np.where(live, seq, 0)
+    starts = np.asarray(segment_starts(seq, page_size, aligned)).astype(np.int64)
+    ext = live.astype(np.int64) if decode else np.where(live, get("extend_seq_lens"), 0)
+    out, pos = get("out_cache_loc"), get("positions")
+    entry_row = np.repeat(np.arange(rp.shape[0]), ext)[:out.shape[0]]
+    out, pos = out[:entry_row.shape[0]], pos[:entry_row.shape[0]]
+    named: Dict[int, List[int]] = {}
+    for k, row in enumerate(np.asarray(rows, np.int64).reshape(-1, 8)):
+        kind, slot, p = row_kind(row), int(row[1]), int(row[2])
+        hit = set()
+        if kind in ("write", "either"):
+            hit.update(entry_row[(out == slot) & ((pos == p) | (kind == "either"))].tolist())
+        if kind in ("verify", "either"):
+            for r in np.flatnonzero(live):
+                seg = loc[starts[r]:starts[r] + seq[r]]
+                at = np.flatnonzero(seg == slot)
+                if read_at(row, at).any():
+                    hit.add(int(r))
+        for r in hit:
+            named.setdefault(int(r), []).append(k)
+    return named
+
+
+def tree_nodes_holding(tree_cache, slots: set) -> List:
+    """The radix-tree nodes whose KV slots include one of ``slots`` (outermost first: a node's
+    subtree is not listed again)."""
+    out, stack = [], [tree_cache.root_node]
+    while stack:
+        node = stack.pop()
+        for child in list(node.children.values()):
+            val = child.value
+            if val is not None and len(val) and not slots.isdisjoint(np.asarray(val).tolist()):
+                out.append(child)
+            else:
+                stack.append(child)
+    return out
+
+
+def evict_subtree(tree_cache, node) -> int:
+    """Free the KV of ``node`` and of everything below it and delete them from the radix tree (the
+    tree's own ``_delete_leaf`` and allocator ``free``, leaves first); returns the slots freed.
+    The caller checks ``node.lock_ref == 0`` (a locked descendant locks its ancestors)."""
+    order, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        order.append(n)
+        stack.extend(n.children.values())
+    freed = 0
+    for n in reversed(order):                      # children before their parent
+        dp = n.key.dp_rank if n.key is not None and n.key.dp_rank is not None else 0
+        tree_cache.token_to_kv_pool_allocator.free(n.value, dp_rank=dp)
+        freed += len(n.value)
+        tree_cache._delete_leaf(n)
+    return freed
+
+
+def sglang_finish_abort(message: str):
+    """sglang-jax's abort of a running request, carrying ``message`` to its client."""
+    from sgl_jax.srt.managers.schedule_batch import FINISH_ABORT
+
+    return FINISH_ABORT(message, None, "KVCanaryViolation")
+
+
+def describe(violations: Sequence) -> str:
+    """``KV slot(s) 1, 2 ... failed the KV-cache canary (TAG reasons)`` for an abort message."""
+    slots = sorted({int(v.slot) for v in violations})
+    first = violations[0]
+    return "KV slot(s) {} failed the KV-cache canary ({} {})".format(
+        ", ".join(map(str, slots[:MESSAGE_SLOTS]))
+        + (f" and {len(slots) - MESSAGE_SLOTS} more" if len(slots) > MESSAGE_SLOTS else ""),
+        first.tag_name, "+".join(first.reasons))
+
+
+class RequestGuard:
+    """Names the requests a violation concerns; aborts them and quarantines the named slots in
+    mode ``abort`` (module docstring).
+
+    Args:
+      scheduler: the sglang-jax ``Scheduler`` (its running batches, ``req_to_token_pool`` and
+        ``tree_cache``).
+      canary: the ``SglangJaxCanary`` whose rows it acts on (its ``records`` and layout).
+      logger: where the named requests, aborts and evictions are logged.
+      abort: abort the named requests (mode ``abort``), else name them in the log (mode ``log``).
+      finish_abort: makes the ``req.to_finish`` value of an abort from its message (default
+        sglang-jax's ``FINISH_ABORT``).
+
+    Attributes: ``named`` (rids named, in order), ``quarantined`` (slot -> the report that named
+    it), ``evicted`` (slots freed from the prefix cache).
+    """
+
+    def __init__(self, scheduler, canary, logger: logging.Logger, abort: bool,
+                 finish_abort: Optional[Callable[[str], object]] = None):
+        self.scheduler = scheduler
+        self.finish_abort = finish_abort or sglang_finish_abort
+        self.canary = canary
+        self.logger = logger
+        self.abort = bool(abort)
+        self.quarantined: Dict[int, str] = {}
+        self.named: List[str] = []
+        self.evicted = 0
+        self._rows: List = []                      # violations not yet acted on
+        self._lost_seen = 0                        # Monitor.lost_steps already acted on
+        self._named_rids = set()                   # mode log: rids already named
+        self._lock = threading.Lock()
+
+    def on_violations(self, violations: Sequence) -> None:
+        """Keep new violations (any thread); acted on by ``after_gate``."""
+        with self._lock:
+            self._rows.extend(violations)
+
+    def after_gate(self, batch, step: int) -> None:
+        """The scheduler's thread, once the canary has decoded launch ``step`` (the launch of
+        ``batch``) and before ``batch``'s results are processed: abort every request the rows of
+        launches up to ``step`` name, and every request of a launch whose rows were lost."""
+        with self._lock:
+            due = [v for v in self._rows if (v.launch_step or 0) <= step]
+            self._rows = [v for v in self._rows if (v.launch_step or 0) > step]
+        lost = self.canary.monitor.lost_steps[self._lost_seen:]
+        lost = [s for s in lost if s <= step]
+        self._lost_seen += len(lost)
+        if not due and not lost:
+            return
+        by_rp = {}
+        for req in batch_requests(batch) + running_requests(self.scheduler):
+            if not req.finished() and req.req_pool_idx is not None:
+                by_rp.setdefault(int(req.req_pool_idx), req)
+        if self.abort:
+            for v in due:
+                if v.slot > 0:                     # slot 0 is sglang-jax's padding slot
+                    self.quarantined.setdefault(int(v.slot),
+                                                f"{v.tag_name} {'+'.join(v.reasons)}")
+        named: Dict[int, list] = {}
+        for s in sorted({v.launch_step for v in due}):
+            self._name(s, [v for v in due if v.launch_step == s], by_rp, named)
+        for req, vs in named.values():
+            self._act(req, min(v.launch_step for v in vs), describe(vs))
+        for s in lost:
+            record = self.canary.records.get(s)
+            rps = [] if record is None else np.asarray(record.arrays["req_pool_indices"]).tolist()
+            why = (f"step's violations overflowed the ring ({self.canary.monitor.rows_lost} rows "
+                   "lost so far), so every request of that step is named")
+            for rp in rps:
+                if rp in by_rp:
+                    self._act(by_rp[rp], s, why)
+
+    def _name(self, step: int, violations: list, by_rp: dict, named: dict) -> None:
+        """Add the requests ``violations`` (rows of launch ``step``) name to ``named``
+        (``id(req) -> (req, [violations])``)."""
+        record = self.canary.records.get(step)
+        layout = self.canary.layout
+        sweep = [v for v in violations if row_kind(v.row) == "sweep"]
+        rows = [v for v in violations if row_kind(v.row) != "sweep"]
+        if rows and record is not None:
+            hits = named_batch_rows(np.stack([v.row for v in rows]), record.arrays,
+                                    decode=record.decode, page_size=layout.page_size,
+                                    aligned=layout.aligned_segments)
+            rps = np.asarray(record.arrays["req_pool_indices"]).tolist()
+            for r, ks in hits.items():
+                req = by_rp.get(int(rps[r]))
+                if req is not None:
+                    named.setdefault(id(req), (req, []))[1].extend(rows[k] for k in ks)
+        elif rows:                                 # the launch's arrays are no longer kept
+            sweep += rows
+        if sweep:
+            table = self.scheduler.req_to_token_pool.req_to_token
+            for req in by_rp.values():
+                held = request_slots(req, table)
+                hit = [v for v in sweep
+                       if read_at(v.row, np.flatnonzero(held == v.slot)).any()]
+                if hit:
+                    named.setdefault(id(req), (req, []))[1].extend(hit)
+
+    def _act(self, req, step: int, what: str) -> None:
+        """Abort ``req`` (mode ``abort``) or name it in the log (mode ``log``), once."""
+        if not self.abort:
+            if req.rid not in self._named_rids:
+                self._named_rids.add(req.rid)
+                self.named.append(req.rid)
+                self.logger.warning("kv-canary: request rid=%s read KV that failed the canary at "
+                                    "step %d: its %s; its answer may be wrong", req.rid, step, what)
+            return
+        if req.to_finish is not None or req.finished():
+            return
+        req.to_finish = self.finish_abort(f"kv-canary: request aborted: its {what}; the server "
+                                          "log has the report")
+        self.named.append(req.rid)
+        self.logger.warning("kv-canary: aborting request rid=%s at step %d: its %s", req.rid,
+                            step, what)
+
+    def before_schedule(self) -> None:
+        """Evict the quarantined slots from the prefix cache (the scheduler's thread, before it
+        forms a batch); a slot stays quarantined while a running request or a locked radix-tree
+        node still holds it."""
+        if not self.quarantined:
+            return
+        bad = set(self.quarantined)
+        table = self.scheduler.req_to_token_pool.req_to_token
+        held = set()
+        for req in running_requests(self.scheduler):
+            held |= bad.intersection(request_slots(req, table).tolist())
+        held |= self._evict(bad)
+        for slot in bad - held:
+            del self.quarantined[slot]
+
+    def _evict(self, bad: set) -> set:
+        """Evict the unlocked radix-tree nodes holding a quarantined slot (and their subtrees);
+        returns the slots still held by locked nodes."""
+        tree = self.scheduler.tree_cache
+        if getattr(tree, "root_node", None) is None:
+            return set()
+        held = set()
+        for node in tree_nodes_holding(tree, bad):
+            slots = bad.intersection(np.asarray(node.value).tolist())
+            if node.lock_ref > 0:
+                held |= slots
+                continue
+            n = evict_subtree(tree, node)
+            self.evicted += n
+            self.logger.warning("kv-canary: evicted %d cached token(s) holding slot(s) %s from "
+                                "the prefix cache", n, ", ".join(map(str, sorted(slots))))
+        return held
+
+
+def install_request_guard(scheduler, canary, logger: logging.Logger, abort: bool,
+                          **kw) -> RequestGuard:
+    """Feed ``canary``'s violations to a ``RequestGuard`` that acts at the canary's gate (before
+    each batch's results are processed) and, in mode ``abort``, evicts before each of the
+    scheduler's batches (``get_next_batch_to_run``); returns it (``kw``: ``RequestGuard``'s).
+    Needs the scheduler gate of ``install_into_scheduler``."""
+    if not canary.gated:
+        raise ValueError("kv-canary: naming requests needs the canary installed into the "
+                         "scheduler (install_into_scheduler), whose gate runs before each "
+                         "batch's results")
+    guard = RequestGuard(scheduler, canary, logger, abort, **kw)
+    canary.violation_hooks.append(guard.on_violations)
+    canary.gate_hooks.append(guard.after_gate)
+    if abort:
+        get_next = scheduler.get_next_batch_to_run
+
+        def get_next_batch_to_run(*args, **kwargs):
+            guard.before_schedule()
+            return get_next(*args, **kwargs)
+
+        scheduler.get_next_batch_to_run = get_next_batch_to_run
+    return guard
