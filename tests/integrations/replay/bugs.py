@@ -1,0 +1,80 @@
+"""The real sglang-jax KV bugs the suite replays: each re-introduced by a patch under ``patches/``
+(whose header names the upstream issue and fix and says how the patch re-creates it), with the
+engine settings and the workload that trigger it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Tuple
+
+from tests.support.sglang_server import TINY_ENGINE_ARGS
+
+from .runner import Workload
+
+#: the write-input assert and the token check
+TOKEN_FLAGS = ("--kv-canary-write-input-assert", "--kv-canary-token-check")
+
+
+def engine_args(**changes) -> Tuple[str, ...]:
+    """``TINY_ENGINE_ARGS`` with flags changed (``max_running_requests="8"``: ``--max-running-requests
+    8``; a tuple value for several values; None drops the flag) or added."""
+    args = list(TINY_ENGINE_ARGS)
+    for key, value in changes.items():
+        flag = "--" + key.replace("_", "-")
+        if flag in args:
+            i = args.index(flag)
+            j = i + 1
+            while j < len(args) and not args[j].startswith("--"):
+                j += 1
+            del args[i:j]
+        if value is not None:
+            args += [flag, *((value,) if isinstance(value, str) else value)]
+    return tuple(args)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bug:
+    """A real sglang-jax KV bug, re-introduced by ``patch``.
+
+    Attributes:
+      key: the upstream number the suite names it by.
+      upstream: the upstream issue / PR and the commit that fixed it.
+      damages: what it damages, in a few words.
+      patch: the file under ``patches/`` that re-introduces it.
+      engine_args: sglang-jax's arguments for the replay (the overlap scheduler unless they say).
+      canary_args: the canary's arguments besides ``--kv-canary MODE``.
+      workload: what the replay sends.
+    """
+
+    key: str
+    upstream: str
+    damages: str
+    patch: str
+    engine_args: Tuple[str, ...]
+    canary_args: Tuple[str, ...] = TOKEN_FLAGS
+    workload: Workload = Workload()
+
+
+BUGS: Dict[str, Bug] = {b.key: b for b in (
+    Bug("1504", "#1487 / PR #1504, fix cfcbf85f",
+        "first decode consumes another batch's token (overlap future-token ring wraps)",
+        "1504-future-token-ring-wrap.patch",
+        engine_args(max_running_requests="8", precompile_bs_paddings=("1", "4", "8"))),
+    Bug("994", "PR #994, fix 5b7150bd",
+        "a finished request's next slot freed twice (overlap): two owners of one slot",
+        "994-overlap-finished-double-free.patch",
+        engine_args(max_running_requests="8", precompile_bs_paddings=("1", "4", "8"),
+                    max_total_tokens="512"),
+        workload=Workload(shared_prefixes=4)),
+    # at page size 4 the re-introduced free only hits a slot that opens a page: fewer double frees
+    Bug("994-page4", "PR #994, fix 5b7150bd",
+        "the same, page size 4: a twice-freed page",
+        "994-overlap-finished-double-free.patch",
+        engine_args(max_running_requests="8", precompile_bs_paddings=("1", "4", "8"),
+                    max_total_tokens="512", page_size="4"),
+        workload=Workload(shared_prefixes=4)),
+    Bug("1008", "PR #1008, fix 00c60d51",
+        "a chunked request's req_to_token row freed and reused between its chunks",
+        "1008-chunked-req-row-freed.patch",
+        engine_args(), workload=Workload(shared_prefixes=4)),
+)}
