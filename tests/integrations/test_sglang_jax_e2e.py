@@ -356,14 +356,19 @@ def test_install_is_idempotent_and_follows_a_rejitted_runner(engine):
 def test_install_into_scheduler_uses_its_runner_and_radix_cache(engine):
     import types
 
-    launched = []
+    launched, processed, gated = [], [], []
     sched = types.SimpleNamespace(tp_worker=engine.worker, tree_cache=engine.tree_cache,
-                                  enable_overlap=False, run_batch=launched.append)
+                                  enable_overlap=False, run_batch=launched.append,
+                                  process_batch_result=lambda b, r: processed.append(b))
     c = kvc_sgl.install_into_scheduler(sched, CONFIG)
     try:
         assert c.installed and c.runner is engine.runner and c.tree_cache is engine.tree_cache
         sched.run_batch("batch")                       # the hook counts launches, then launches
         assert launched == ["batch"] and c.launches == 1 and not c.sweeps_from_wrapper
+        assert c.gated                                  # results wait for the step's checks
+        c.gate_hooks.append(lambda batch, step: gated.append((batch, list(processed))))
+        sched.process_batch_result("batch", types.SimpleNamespace(bid=None))
+        assert processed == ["batch"] and gated == []  # no launch of the canary had that bid
     finally:
         c.uninstall()
     assert kvc_sgl.install_into_scheduler(sched, CONFIG.replace(mode="none")) is None

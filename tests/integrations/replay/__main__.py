@@ -105,8 +105,8 @@ def main(argv=None) -> int:
     for key in a.bugs:
         print(f"#{key}: {BUGS[key].upstream}: {BUGS[key].damages}")
     bad = failures(rows)
-    print("\n" + ("\n".join(bad) if bad else "every replay: no damaged answer delivered silently, "
-                  "no right answer aborted, every damaged request named, fixed builds clean"))
+    print("\n" + ("\n".join(bad) if bad else "every replay: no damaged answer delivered without "
+                  "abort, every damaged answer named in log mode, fixed builds clean"))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": rows, "details": details}, f, indent=1)

@@ -66,13 +66,6 @@ BUGS: Dict[str, Bug] = {b.key: b for b in (
         engine_args(max_running_requests="8", precompile_bs_paddings=("1", "4", "8"),
                     max_total_tokens="512"),
         workload=Workload(shared_prefixes=4)),
-    # at page size 4 the re-introduced free only hits a slot that opens a page: fewer double frees
-    Bug("994-page4", "PR #994, fix 5b7150bd",
-        "the same, page size 4: a twice-freed page",
-        "994-overlap-finished-double-free.patch",
-        engine_args(max_running_requests="8", precompile_bs_paddings=("1", "4", "8"),
-                    max_total_tokens="512", page_size="4"),
-        workload=Workload(shared_prefixes=4)),
     Bug("1008", "PR #1008, fix 00c60d51",
         "a chunked request's req_to_token row freed and reused between its chunks",
         "1008-chunked-req-row-freed.patch",

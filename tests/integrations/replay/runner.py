@@ -8,8 +8,7 @@ For a ``bugs.Bug``:
    background CPU load, ``CpuLoad``) sends ``bursts`` bursts of ``concurrency`` concurrent
    ``/generate`` requests (greedy), each burst its own prompts. Every answer is classified against
    the reference (``classify``): right, damaged and delivered as a success (``silent``: the
-   promise broken), aborted with damage visible in what it delivered, or aborted with no damage
-   visible (``false_abort``).
+   promise broken), aborted after a wrong token, aborted before any wrong token, or no answer.
 3. **The bug in mode ``log``**: the same phases; each damaged answer must be named by the canary
    (a ``kv-canary: request rid=...`` line for its request id).
 4. **The fixed build in mode ``abort``**: the same phases; it must give no damaged answer, no
