@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax_kvcanary.integrations import sglang_jax as kvc_sgl
 from jax_kvcanary.integrations.sglang_jax import tokens
 from jax_kvcanary.runtime import CanaryConfig
+from tests.support.sglang_fakes import fake_runner
 
 pytestmark = pytest.mark.integration
 
@@ -90,17 +91,6 @@ def test_the_mirror_sends_each_position_once_and_stores_the_sampled_tokens():
                                 req("d", 0, range(tokens.CHUNK + 1), 0)])) == 2
 
 
-def fake_runner(mesh, kv0, outputs, sampled):
-    pool = types.SimpleNamespace(kv_buffer=[kv0])
-    return types.SimpleNamespace(
-        jitted_run_model=lambda fb, lm: outputs, mesh=mesh, token_to_kv_pool=pool,
-        memory_pools=types.SimpleNamespace(_pools={"token_to_kv_pool": pool},
-                                           replace_all=lambda u: None),
-        page_size=1, server_args=types.SimpleNamespace(attention_backend="native"),
-        req_to_token_pool=types.SimpleNamespace(req_to_token=np.zeros((4, 16), np.int32)),
-        jitted_sampler=lambda step, logits, meta: (sampled.pop(0), None, None))
-
-
 @pytest.mark.parametrize("consumed, reasons", [(31, set()), (32, {"write_token", "verify_token"})])
 def test_a_decode_step_that_consumes_another_request_s_token_is_a_write_token_violation(
         consumed, reasons):
@@ -109,7 +99,10 @@ def test_a_decode_step_that_consumes_another_request_s_token_is_a_write_token_vi
     kv0 = jax.device_put(np.zeros((64, 1, 4, 1, 8), np.float32), NamedSharding(mesh, PartitionSpec()))
     outputs = (None, {"token_to_kv_pool": [kv0]}, None, None)
     sampled = [jnp.array([31, 32], jnp.int32), jnp.array([33, 34], jnp.int32)]
-    runner = fake_runner(mesh, kv0, outputs, sampled)
+    runner = fake_runner(
+        kv0, jitted_run_model=lambda fb, lm: outputs, mesh=mesh,
+        req_to_token_pool=types.SimpleNamespace(req_to_token=np.zeros((4, 16), np.int32)),
+        jitted_sampler=lambda step, logits, meta: (sampled.pop(0), None, None))
     quiet = logging.getLogger("kvc-tokens-quiet")
     quiet.disabled = True
     canary = kvc_sgl.install(runner, CanaryConfig(mode="log", health_interval=0,

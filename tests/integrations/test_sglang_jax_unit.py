@@ -17,7 +17,7 @@ from jax_kvcanary.consts import RealKvHashMode
 from jax_kvcanary.integrations import sglang_jax as kvc_sgl
 from jax_kvcanary.integrations.sglang_jax import layout
 from jax_kvcanary.runtime import CanaryConfig
-from tests.support.sglang_fakes import fake_runner
+from tests.support.sglang_fakes import fake_runner, kv_pool
 
 pytestmark = pytest.mark.integration
 
@@ -65,11 +65,17 @@ def test_install_none_installs_nothing_and_bad_runners_are_refused():
 
 @pytest.mark.parametrize("change, message", [
     (dict(dp_size=2), "supports dp_size=1 only"),
-    (dict(use_mla_backend=True), "does not support MLA"),
-    (dict(is_hybrid=True), "does not support hybrid sliding-window"),
+    (dict(token_to_kv_pool=kv_pool(np.zeros((9, 1, 4, 1, 8)), "SWAKVPool")),
+     "^kv-canary: the KV pool SWAKVPool is not supported: .*--disable-hybrid-swa-memory"),
+    (dict(token_to_kv_pool=kv_pool(np.zeros((9, 1, 4, 1, 8)), "MLATokenToKVPool")),
+     "^kv-canary: the KV pool MLATokenToKVPool is not supported: .*--attention-backend native"),
+    (dict(token_to_kv_pool=kv_pool(np.zeros((9, 1, 4, 1, 8)), "PoolOfATomorrowVersion")),
+     "^kv-canary: the KV pool PoolOfATomorrowVersion is not supported: the canary knows only "
+     "MHATokenToKVPool"),
     (dict(server_args=types.SimpleNamespace(attention_backend="fa_mha")),
      "attention backend 'fa_mha' is not supported"),
-    (dict(linear_recurrent_config=object()), "recurrent"),
+    (dict(memory_pools=types.SimpleNamespace(_pools={"token_to_kv_pool": 0, "recurrent": 0},
+                                             replace_all=print)), "hybrid or recurrent"),
 ])
 def test_runner_layouts_refuse_what_they_cannot_cover(change, message):
     kv0 = np.zeros((9, 1, 4, 1, 8), np.float32)

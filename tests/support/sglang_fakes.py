@@ -12,9 +12,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 
+def kv_pool(kv0, class_name: str = "MHATokenToKVPool"):
+    """A token KV pool holding layer 0's fused buffer ``kv0``, of a class named as sglang-jax's
+    (the canary decides by the pool's class name which pools it guards)."""
+    return type(class_name, (types.SimpleNamespace,), {})(kv_buffer=[kv0])
+
+
 def fake_runner(kv0, **kw):
     """A main-layout ``ModelRunner`` over layer 0's fused buffer ``kv0`` (``kw`` overrides)."""
-    pool = types.SimpleNamespace(kv_buffer=[kv0])
+    pool = kv_pool(kv0)
     attrs = dict(jitted_run_model=lambda fb, lm: None, mesh=object(), token_to_kv_pool=pool,
                  memory_pools=types.SimpleNamespace(_pools={"token_to_kv_pool": pool},
                                                     replace_all=lambda u: None),

@@ -17,11 +17,15 @@ version string), the overlap scheduler and the non-overlap one, page sizes 1 and
 and fa attention backends, ``--enable-single-process``, the AOT dispatcher, tensor parallelism
 (main: one canary state per device of the ``tensor`` axis, each checking its own KV heads), the
 write-input assert and the token check (main: ``tokens``).
-Refused before start (``server.refusals``): several nodes, data parallelism, speculative
-decoding, LoRA, multimodal, PD disaggregation, HiCache, MLA and hybrid (SWA, recurrent) KV pools.
+The KV pools of ``pools.GUARDED`` (``MHATokenToKVPool``: every model served with it, MLA on the
+native backend too). Refused before start (``server.refusals``, ``server.model_refusals``):
+several nodes, data parallelism, speculative decoding, LoRA, multimodal, PD disaggregation,
+HiCache, and the other KV pools (hybrid SWA, MLA latent, hybrid recurrent), by the pool class the
+engine would build; a scheduler that finds one anyway ends the server before it serves.
 
 Modules: ``canary`` (``SglangJaxCanary``: the wrapped model call and its checks), ``layout`` (the
-engine's arrays as the canary addresses them), ``server`` (refusals, the guarded scheduler),
+engine's arrays as the canary addresses them), ``server`` (refusals, the guarded scheduler), ``pools`` (which KV pool class
+the engine builds, which ones are guarded),
 ``launch_server`` (the command), ``tokens`` (the intended tokens the write-input assert and the
 token check read), ``request_guard`` (the requests a violation concerns, found before their
 step's results are processed: aborted and their slots evicted in mode ``abort``, named in the log

@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ...consts import RealKvHashMode
 from ...inputs import RealKvSource
 from ...runtime.endpoints import CanaryBatch
+from . import pools
 
 #: attention backends whose reads of ``cache_loc`` the canary models (``segment_starts``)
 ATTENTION_BACKENDS = ("native", "fa")
@@ -182,12 +183,10 @@ class _Runner:
         _need(callable(getattr(runner, "jitted_run_model", None)), "jitted_run_model")
         _need(getattr(runner, "mesh", None) is not None, "mesh")
         pool = getattr(runner, "token_to_kv_pool", None)
+        refused = pool is not None and pools.refusal(type(pool).__name__)
+        if refused:
+            raise ValueError(refused)
         _need(isinstance(getattr(pool, "kv_buffer", None), list), "token_to_kv_pool.kv_buffer list")
-        if getattr(runner, "use_mla_backend", False):
-            raise ValueError("kv-canary: the sglang-jax integration does not support MLA KV pools")
-        if getattr(runner, "is_hybrid", False):
-            raise ValueError("kv-canary: the sglang-jax integration does not support hybrid "
-                             "sliding-window KV pools (SWA layers)")
         if int(getattr(runner, "dp_size", 1)) != 1:
             raise ValueError("kv-canary: the sglang-jax integration supports dp_size=1 only, got "
                              f"dp_size={runner.dp_size}")
@@ -237,9 +236,6 @@ class PoolsRunner(_Runner):
             raise ValueError("kv-canary: the sglang-jax integration supports a MemoryPools of one "
                              f"token_to_kv_pool, this runner has {names} (hybrid or recurrent "
                              "model?)")
-        if getattr(runner, "linear_recurrent_config", None) is not None:
-            raise ValueError("kv-canary: the sglang-jax integration does not support models with "
-                             "recurrent (linear attention) state")
 
     @staticmethod
     def layers(outputs):

@@ -26,6 +26,7 @@ from typing import List, Optional
 
 from ...runtime.config import CanaryConfig
 from ...runtime.errors import CanaryHealthError, CanaryViolationError
+from . import pools
 from .canary import LOGGER, install_into_scheduler
 from .request_guard import install_request_guard
 from .inject import TOKEN_KINDS, FaultInjector, InjectSpec
@@ -102,17 +103,16 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
 
 
 def model_refusals(server_args) -> List[str]:
-    """Refusals that need the model's config (read from ``--model-path``; nothing is loaded)."""
-    from sgl_jax.srt.configs.model_config import AttentionArch, ModelConfig
+    """Refusals that need the model's config (read from ``--model-path``; nothing is loaded): the
+    KV pool class sglang-jax would build for it (``pools``)."""
+    from sgl_jax.srt.configs.model_config import ModelConfig
 
     try:
         cfg = ModelConfig.from_server_args(server_args)
     except Exception:  # the stock server reports a model it cannot read
         return []
-    if cfg.attention_arch == AttentionArch.MLA:
-        return ["kv-canary: MLA attention (this model's KV layout) is not supported; run with "
-                "--kv-canary none"]
-    return []
+    line = pools.refusal(pools.engine_pool_class(server_args, cfg))
+    return [line] if line else []
 
 
 # -- the scheduler ----------------------------------------------------------------------------------
@@ -160,10 +160,23 @@ class Guard:
     abort: bool = False
 
 
+class GuardError(RuntimeError):
+    """The canary could not be installed in a scheduler: the server ends before it serves."""
+
+
+def _unguarded(logger, message: str) -> GuardError:
+    """Log why the server will not start guarded, and the error that ends it."""
+    message += ("; the server does not start without the canary it was asked for (run with "
+                "--kv-canary none to serve unguarded)")
+    logger.error("%s", message)
+    return GuardError(message)
+
+
 def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.Logger] = None):
     """Install the canary into a constructed scheduler, then run the engine's precompile with it
-    (when ``precompile``). A failure to install is logged (the server then runs without the
-    canary) rather than raised: the settings it cannot cover were refused before start."""
+    (when ``precompile``). A server never runs without the canary it was asked for: a failure to
+    install or to compile it (a setting the refusals before start missed) is logged and raised as
+    ``GuardError``, which ends the scheduler, and with it the server, before it serves."""
     logger = logger or LOGGER
     config, inject = guard.config, guard.inject
     try:
@@ -180,20 +193,13 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
         if guard.abort or config.mode == "log":
             install_request_guard(scheduler, canary, logger, abort=guard.abort)
     except (TypeError, ValueError) as e:
-        logger.error("%s; this server runs WITHOUT the canary", e)
-        if precompile:
-            engine_precompile(scheduler)
-        return None
+        raise _unguarded(logger, str(e)) from e
     canary.idle.on_error = functools.partial(end_server, scheduler, logger)
     try:
         canary.precompile(functools.partial(engine_precompile, scheduler) if precompile else None)
-    except Exception as e:                   # never take the server down at install
-        logger.exception("kv-canary: compiling the canary failed (%s: %s); this server runs "
-                         "WITHOUT the canary", type(e).__name__, e)
-        canary.uninstall()
-        if precompile:
-            engine_precompile(scheduler)
-        return None
+    except Exception as e:
+        raise _unguarded(logger, f"kv-canary: compiling the canary failed ({type(e).__name__}: "
+                                 f"{e})") from e
     logger.info("kv-canary: installed (mode=%s, real data=%s, sweep interval=%d, %s runner, "
                 "%s attention, page size %d%s)%s", "abort" if guard.abort else config.mode,
                 config.real_kv_hash_mode.name.lower(),

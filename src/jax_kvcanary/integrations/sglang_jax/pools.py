@@ -1,0 +1,66 @@
+"""sglang-jax's KV pool classes: which one its model runner builds for a model and the server's
+arguments, and which ones the canary guards.
+
+The launcher refuses, before anything starts, a server whose pool the canary does not guard
+(``refusal``); the install in the scheduler checks the pool it finds against the same list, so
+no pool class runs without the canary the user asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+#: the pool classes the canary guards: one fused K/V buffer per layer, indexed by slot
+GUARDED = ("MHATokenToKVPool",)
+
+#: why each pool class sglang-jax main has (``mem_cache/memory_pool.py``) is not guarded, and what
+#: serves the same model with a guarded pool
+UNGUARDED = {
+    "SWAKVPool": ("its sliding-window layers keep their KV in a second pool reached through a "
+                  "full-to-SWA slot map the canary does not follow",
+                  "add --disable-hybrid-swa-memory (one MHA pool: every layer keeps its full KV)"),
+    "MLATokenToKVPool": ("its latent rows (compressed KV and rope part, and the DSA indexer "
+                         "keys) are not fingerprinted",
+                         "use --attention-backend native (MLA with decompressed K/V in an MHA "
+                         "pool)"),
+    "HybridLinearKVPool": ("the recurrent state of its linear-attention layers is held per "
+                           "request, outside the KV slots the canary checks", None),
+}
+
+
+def refusal(pool_class: str) -> Optional[str]:
+    """The ``kv-canary:`` line refusing ``pool_class``, or None when the canary guards it."""
+    if pool_class in GUARDED:
+        return None
+    why, fix = UNGUARDED.get(pool_class, ("the canary knows only " + ", ".join(GUARDED), None))
+    return (f"kv-canary: the KV pool {pool_class} is not supported: {why}; "
+            + (f"{fix}, or run with --kv-canary none" if fix else "run with --kv-canary none"))
+
+
+def engine_pool_class(server_args, model_config) -> str:
+    """The class of the token KV pool sglang-jax main's ``ModelRunner`` builds for
+    ``model_config`` (its ``ModelConfig``) under ``server_args``: the decision of
+    ``ModelRunner.initialize`` (hybrid SWA) and of ``_init_pools`` / ``_maybe_wrap_hybrid_kv_pool``
+    (``model_runner_kv_cache_mixin.py``), read from the model's config (nothing is loaded)."""
+    from sgl_jax.srt.configs.model_config import AttentionArch
+
+    if _linear_recurrent(model_config.hf_config):
+        return "HybridLinearKVPool"
+    window = getattr(model_config, "sliding_window", None)
+    if not server_args.disable_hybrid_swa_memory and window is not None and window > 0:
+        return "SWAKVPool"
+    if (model_config.attention_arch == AttentionArch.MLA
+            and server_args.attention_backend in ("fa", "dsa_sparse")):
+        return "MLATokenToKVPool"
+    return "MHATokenToKVPool"
+
+
+def _linear_recurrent(hf_config) -> bool:
+    """Whether sglang-jax sees linear-attention (recurrent) layers in the model: its
+    ``ModelRunner.linear_recurrent_config``, from the same config readers."""
+    from sgl_jax.srt.configs.bailing_hybrid import get_bailing_hybrid_config
+    from sgl_jax.srt.configs.kimi_linear import get_kimi_linear_config
+    from sgl_jax.srt.configs.qwen3_5 import get_qwen3_5_hybrid_config
+
+    return any(read(hf_config) is not None for read in (
+        get_kimi_linear_config, get_qwen3_5_hybrid_config, get_bailing_hybrid_config))
