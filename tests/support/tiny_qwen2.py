@@ -101,12 +101,18 @@ def random_weights(seed: int = 0, scale: float = 0.08) -> dict:
 
 def write_tiny_qwen2(path: str, *, seed: int = 0) -> str:
     """Write the model directory (created if needed); returns ``path``."""
+    return write_model(path, CONFIG, random_weights(seed))
+
+
+def write_model(path: str, config: dict, weights: dict) -> str:
+    """A model directory of ``config``, ``weights`` (names to arrays) and this module's tokenizer;
+    returns ``path``."""
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(CONFIG, f, indent=1)
-    save_file(random_weights(seed), os.path.join(path, "model.safetensors"))
+        json.dump(config, f, indent=1)
+    save_file(weights, os.path.join(path, "model.safetensors"))
     train_tokenizer().save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",

@@ -1,0 +1,160 @@
+"""Every KV pool class of sglang-jax main is either guarded or refused before start, decided by
+pool class and attention backend; and MLA served by the native backend (its decompressed K/V in
+an MHA pool) is guarded in sglang-jax's own HTTP server.
+
+The pool tests read model configs only (``tests/support/pool_models.py``); the MLA tests serve a
+tiny DeepseekV3 with seeded random weights (``tests/support/tiny_deepseek_v3.py``).
+"""
+
+import logging
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from tests.support.sglang_server import LAUNCHER, TINY_ENGINE_ARGS, Server, installed_sglang_jax
+
+pytestmark = pytest.mark.integration
+if installed_sglang_jax() != "main":
+    pytest.skip("these tests need sglang-jax's main branch (BUILD.md)", allow_module_level=True)
+
+from sgl_jax.srt.mem_cache import memory_pool  # noqa: E402
+from sgl_jax.srt.server_args import ServerArgs  # noqa: E402
+
+from jax_kvcanary.integrations.sglang_jax import pools, server  # noqa: E402
+from jax_kvcanary.runtime import CanaryConfig  # noqa: E402
+from tests.support.pool_models import write_model_config  # noqa: E402
+from tests.support.sglang_fakes import fake_runner, kv_pool  # noqa: E402
+from tests.support.tiny_deepseek_v3 import write_tiny_deepseek_v3  # noqa: E402
+
+PROMPTS = ["what is the capital of france", "the key value cache holds the keys",
+           "alpha beta gamma delta"]
+
+
+def subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from subclasses(sub)
+
+
+def test_every_kv_pool_class_of_the_engine_is_guarded_or_refused_with_a_reason():
+    classes = {c.__name__ for c in subclasses(memory_pool.KVCache)}
+    assert {"MHATokenToKVPool", "SWAKVPool", "MLATokenToKVPool", "HybridLinearKVPool"} <= classes
+    for name in sorted(classes):
+        assert (name in pools.GUARDED) != (name in pools.UNGUARDED), name
+        line = pools.refusal(name)
+        assert line is None if name in pools.GUARDED else line.startswith(
+            f"kv-canary: the KV pool {name} is not supported: {pools.UNGUARDED[name][0]}; ")
+
+
+@pytest.mark.parametrize("kind, args, pool", [
+    ("qwen2", ["--attention-backend", "native"], "MHATokenToKVPool"),
+    ("qwen2", ["--attention-backend", "fa"], "MHATokenToKVPool"),
+    ("gemma2", ["--attention-backend", "native"], "SWAKVPool"),
+    ("gemma2", ["--attention-backend", "native", "--disable-hybrid-swa-memory"],
+     "MHATokenToKVPool"),
+    ("deepseek_v3", ["--attention-backend", "fa"], "MLATokenToKVPool"),
+    ("deepseek_v3", ["--attention-backend", "dsa_sparse"], "MLATokenToKVPool"),   # DSA
+    ("deepseek_v3", ["--attention-backend", "native"], "MHATokenToKVPool"),
+    ("qwen3_5", ["--attention-backend", "native"], "HybridLinearKVPool"),
+    ("kimi_linear", ["--attention-backend", "fa"], "HybridLinearKVPool"),
+])
+def test_the_pool_the_engine_builds_decides_the_refusal(tmp_path, kind, args, pool):
+    from sgl_jax.srt.configs.model_config import ModelConfig
+
+    path = write_model_config(str(tmp_path / kind), kind)
+    server_args = ServerArgs.from_cli(["--model-path", path, "--device", "cpu", *args])
+    assert pools.engine_pool_class(server_args, ModelConfig.from_server_args(server_args)) == pool
+    refused = server.model_refusals(server_args)
+    assert refused == ([] if pool in pools.GUARDED else [pools.refusal(pool)])
+
+
+def test_a_hybrid_swa_model_is_refused_before_start(tmp_path):
+    """The defect this replaces: the server started, the install failed inside the scheduler with
+    a misleading message, and the server ran without the canary."""
+    path = write_model_config(str(tmp_path / "gemma2"), "gemma2")
+    r = subprocess.run([sys.executable, "-m", LAUNCHER, "--kv-canary", "log", "--model-path", path,
+                        "--device", "cpu", "--attention-backend", "native", "--port", "1"],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("kv-canary:")]
+    assert r.returncode == 2 and lines == [pools.refusal("SWAKVPool")], r.stderr[-2000:]
+    assert "--disable-hybrid-swa-memory" in lines[0]
+
+
+def test_a_pool_found_unguarded_in_the_scheduler_ends_the_server(caplog):
+    """Behind the refusals: a scheduler whose runner holds a pool the canary does not guard
+    raises (sglang-jax then ends the server) with the refusal in the log; it never serves
+    unguarded."""
+    runner = fake_runner(np.zeros((9, 1, 4, 1, 8), np.float32),
+                         token_to_kv_pool=kv_pool(np.zeros((9, 1, 4, 1, 8)), "SWAKVPool"))
+    scheduler = types.SimpleNamespace(
+        tp_worker=types.SimpleNamespace(get_model_runner=lambda: runner), tree_cache=None,
+        server_args=types.SimpleNamespace(enable_metrics=False), token_to_kv_pool_allocator=None)
+    with caplog.at_level(logging.ERROR), pytest.raises(server.GuardError) as e:
+        server.attach(scheduler, server.Guard(CanaryConfig(mode="log")), precompile=False,
+                      logger=logging.getLogger("kvc-test"))
+    assert str(e.value).startswith(pools.refusal("SWAKVPool"))
+    assert "the server does not start without the canary" in str(e.value)
+    assert str(e.value) in caplog.text
+
+
+# -- MLA, native backend: the decompressed K/V in an MHA pool, guarded ---------------------------
+@pytest.fixture(scope="module")
+def mla_model(tmp_path_factory):
+    return write_tiny_deepseek_v3(str(tmp_path_factory.mktemp("tiny-deepseek-v3")))
+
+
+def mla_server(model_dir, tmp_path, name, *args):
+    """The launcher with the non-overlap scheduler: with the overlap one, sglang-jax main on the
+    CPU can hand a batched step another batch's page table (README, the twin runs)."""
+    return Server(["--model-path", model_dir, *TINY_ENGINE_ARGS, "--disable-overlap-schedule",
+                   *args], str(tmp_path / f"{name}.log"))
+
+
+def answers(srv):
+    """Each prompt alone, then all three in one batch: their generated token ids."""
+    alone = [srv.generate(p, 12)["output_ids"] for p in PROMPTS]
+    return alone, [r["output_ids"] for r in srv.generate(PROMPTS, 12)]
+
+
+@pytest.fixture(scope="module")
+def mla_stock(mla_model, tmp_path_factory):
+    """The stock server's answers (``answers``) for the tiny DeepseekV3."""
+    tmp = tmp_path_factory.mktemp("mla-stock")
+    with mla_server(mla_model, tmp, "stock", "--kv-canary", "none") as srv:
+        stock = answers(srv)
+    assert len({tuple(a) for a in stock[0]}) == 3                  # the prompts answer differently
+    return stock
+
+
+def test_mla_on_the_native_backend_is_guarded_with_the_stock_tokens(mla_model, mla_stock,
+                                                                      tmp_path):
+    with mla_server(mla_model, tmp_path, "guarded", "--kv-canary", "log",
+                    "--kv-canary-write-input-assert", "--kv-canary-token-check") as srv:
+        guarded = answers(srv)
+        log = srv.log()
+        assert srv.reports() == []
+    assert "kv-canary: installed (mode=log" in log and "Traceback" not in log
+    assert guarded == mla_stock
+
+
+def test_mla_on_the_native_backend_page_size_4_clean_then_a_planted_fault(mla_model, mla_stock,
+                                                                           tmp_path):
+    """Page size 4, one request at a time (a batch at page size 4 is where the native backend
+    misreads the page table: ``test_page_size_4``): the stock answer and no report, then a fault
+    planted at step 20 reported within two steps."""
+    with mla_server(mla_model, tmp_path, "inject", "--kv-canary", "log", "--page-size", "4",
+                    "--kv-canary-inject", "real_kv_used",
+                    "--kv-canary-inject-step", "20") as srv:
+        assert srv.generate(PROMPTS[1], 12)["output_ids"] == mla_stock[0][1]
+        assert srv.reports() == [] and srv.injected() is None
+        srv.generate(PROMPTS[0], 24)
+        injected = srv.injected()
+        assert injected is not None and injected[0] == "real_kv_used", srv.log_tail()
+        hits = [pumped for tag, why, _, pumped in srv.reports()
+                if tag == "TAIL_K_FULL" and "verify_real_kv_hash" in why.split("+")]
+        assert hits and hits[0] <= injected[1] + 2, (injected, srv.reports())
