@@ -144,6 +144,18 @@ def named_batch_rows(rows: np.ndarray, arrays: dict, *, decode: bool, page_size:
     return named
 
 
+def node_slots(node):
+    """The device KV slots of a radix-tree node: ``value`` of sglang-jax's ``RadixCache`` nodes;
+    the full-attention component's value of its ``UnifiedRadixCache`` nodes (None for a
+    tombstone whose KV is on the host only)."""
+    if hasattr(node, "value"):
+        return node.value
+    from sgl_jax.srt.mem_cache.unified_cache_components.tree_component import (
+        BASE_COMPONENT_TYPE)
+
+    return node.component_data[BASE_COMPONENT_TYPE].value
+
+
 def tree_nodes_holding(tree_cache, slots: set) -> List:
     """The radix-tree nodes whose KV slots include one of ``slots`` (outermost first: a node's
     subtree is not listed again)."""
@@ -151,7 +163,7 @@ def tree_nodes_holding(tree_cache, slots: set) -> List:
     while stack:
         node = stack.pop()
         for child in list(node.children.values()):
-            val = child.value
+            val = node_slots(child)
             if val is not None and len(val) and not slots.isdisjoint(np.asarray(val).tolist()):
                 out.append(child)
             else:
@@ -333,7 +345,16 @@ class RequestGuard:
             return set()
         held = set()
         for node in tree_nodes_holding(tree, bad):
-            slots = bad.intersection(np.asarray(node.value).tolist())
+            slots = bad.intersection(np.asarray(node_slots(node)).tolist())
+            if not hasattr(node, "value"):
+                # sglang-jax's UnifiedRadixCache (HiCache): its nodes carry host copies and
+                # per-component state the canary does not unwind; the prefix stays cached, and
+                # every request that reads it is checked (and aborted) like any other
+                self.logger.warning("kv-canary: slot(s) %s stay in the prefix cache (the unified "
+                                    "radix tree is not evicted by the canary); requests reading "
+                                    "them are checked as any other",
+                                    ", ".join(map(str, sorted(slots))))
+                continue
             if node.lock_ref > 0:
                 held |= slots
                 continue
