@@ -6,6 +6,7 @@ import argparse
 import subprocess
 import sys
 import types
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ from jax_kvcanary.consts import RealKvHashMode
 from jax_kvcanary.integrations import sglang_jax as kvc_sgl
 from jax_kvcanary.integrations.sglang_jax import layout
 from jax_kvcanary.runtime import CanaryConfig
-from tests.support.sglang_fakes import fake_runner, kv_pool
+from tests.support.sglang_fakes import fake_runner, kv_pool, serving_runner
 
 pytestmark = pytest.mark.integration
 
@@ -188,6 +189,11 @@ def test_refusals_name_the_setting_and_the_fix():
     assert got and "add --kv-canary-sweep-interval" in got[0]
     got = refusals(server_args(), log, InjectSpec("future_token_ring_wrap"))
     assert got and "add --kv-canary-write-input-assert" in got[0]
+    assert refusals(server_args(hicache_storage="none"), log) == []   # the host tier: guarded
+    for kind in ("hicache_reload_swap", "hicache_stale_page", "hicache_host_flip"):
+        got = refusals(server_args(), log, InjectSpec(kind))
+        assert got and "add --hicache-storage none" in got[0]
+        assert refusals(server_args(hicache_storage="none"), log, InjectSpec(kind)) == []
     tokens = CanaryConfig(mode="log", token_check=True)
     assert refusals(server_args(enable_mixed_chunk=True), log) == []
     assert refusals(server_args(enable_mixed_chunk=True), tokens)[0].startswith(
@@ -341,3 +347,80 @@ def test_idle_reporter_retries_a_stage_its_report_could_not_do_without_waiting()
     r.touch()
     time.sleep(1.0)
     assert calls == [False, False, False, True], calls
+
+
+class FakeHostPool:
+    """What the canary reads of sglang-jax main's ``LRUHostKVPool``: page-addressed host slots,
+    an allocation epoch per slot, staged loads tagged with the epoch they were staged at. The KV
+    itself is not modelled (``flush_backup`` publishes a placeholder)."""
+
+    def __init__(self, pages: int, page_size: int = 1):
+        self._lock, self._pending_load_lock = threading.Lock(), threading.Lock()
+        self._page_size = page_size
+        self._generation, self._allocated = [0] * pages, [False] * pages
+        self._slots, self._pending_load = [None] * pages, {}
+        self.scattered = []
+
+    def alloc(self, ids):
+        for b in ids:
+            self._allocated[b] = True
+            self._generation[b] += 1
+
+    def stage_backup(self, device_indices, host_buffer_ids):
+        pass
+
+    def flush_backup(self, host_buffer_ids):
+        for b in host_buffer_ids:
+            self._slots[b] = "kv"
+
+    def stage_load(self, host_buffer_ids):
+        for b in host_buffer_ids:
+            self._pending_load[b] = (self._generation[b], "kv")
+
+    def flush_load(self, host_buffer_ids, device_indices):
+        for b, p in zip(host_buffer_ids, device_indices):
+            gen, _ = self._pending_load.pop(b)
+            if self._allocated[b] and gen == self._generation[b]:
+                self.scattered.append(int(p))
+
+    def free(self, host_page_ids):
+        for b in host_page_ids:
+            self._allocated[b], self._slots[b] = False, None
+
+    def release(self, buffer_id):
+        self.free([buffer_id])
+
+
+def test_hicache_records_travel_with_each_backup_and_load():
+    """Records exported at a backup (device pages 3, 4 -> host pages 0, 1), imported at the load's
+    new device pages (7, 8) for the pages the engine scatters; host page 1, freed and reused while
+    its load was staged, is skipped by the engine and its device page keeps no imported record;
+    records of freed host pages are dropped."""
+    from jax_kvcanary.integrations.sglang_jax.canary import SglangJaxCanary
+    from jax_kvcanary.integrations.sglang_jax.hicache import HostRecords
+
+    canary = SglangJaxCanary(serving_runner(), CanaryConfig(mode="log", real_kv_hash_mode="NONE"))
+    marked = {}
+    for k, name in enumerate(sorted(canary.state.canaries)):
+        c = np.array(canary.state.canaries[name])
+        c[3, :32], c[4, :32] = 10 + k, 20 + k
+        marked[name] = jax.device_put(c, canary.state.canaries[name].sharding)
+    canary.state = canary.state.replace(canaries=marked)
+    pool = FakeHostPool(4)
+    host = HostRecords(canary, pool).install()
+    pool.alloc([0, 1])
+    pool.stage_backup([3, 4], [0, 1])
+    pool.flush_backup([0, 1])
+    assert sorted(host.pages) == [0, 1] and host.exported == 2
+    pool.stage_load([0, 1])
+    pool.alloc([1])                                  # host page 1 freed and reused mid-load
+    pool.flush_load([0, 1], [7, 8])
+    assert pool.scattered == [7] and (host.imported, host.skipped) == (1, 1)
+    for k, name in enumerate(sorted(canary.state.canaries)):
+        c = np.asarray(canary.state.canaries[name])
+        assert (c[7, :32] == 10 + k).all() and (c[8, :32] == 0).all(), name
+    pool.free([0])
+    pool.release(1)
+    assert host.pages == {}
+    with pytest.raises(TypeError, match="kv-canary: this sglang-jax HiCache host pool"):
+        HostRecords(canary, types.SimpleNamespace(stage_backup=print))

@@ -285,6 +285,7 @@ class SglangJaxCanary:
         self.violation_hooks = []                    # f(new violations), after each readback
         self.gate_hooks = []                         # f(batch, step), after gate()
         self.gated = False                           # a scheduler hook calls gate() per batch
+        self.host_tier = None                        # hicache.HostRecords, with HiCache
         self.records = collections.OrderedDict()     # monitor step -> StepRecord
         self._bid_steps = {}                         # batch id -> monitor step of its launch
         self.launches = 0                            # batches the scheduler hook has seen
@@ -602,6 +603,15 @@ class SglangJaxCanary:
         for hook in self.gate_hooks:
             hook(batch, step)
         return step
+
+    def report_host_rows(self, rows) -> list:
+        """Report rows found on the host (a check of KV that left the device, e.g. the HiCache
+        host copy: ``hicache``) in the scheduler's thread, as the monitor reports them (log, or
+        raise in mode ``raise``); returns the new violations."""
+        with self._monitor_lock:
+            if self.warming:
+                return []
+            return self.monitor.report_rows(rows)
 
     def _sample(self, *args, **kwargs):
         """The engine's sampler, then its tokens stored as the requests' next inputs (the

@@ -27,6 +27,20 @@ own structures once, at the first batch from the ``N``-th on that has a target, 
   write-input assert does: ``write_token`` at HEAD and TAIL (needs
   ``--kv-canary-write-input-assert``).
 
+- ``hicache_reload_swap`` (HiCache): the first load back of two or more pages from the host tier
+  scatters two pages' KV into each other's device pages, while the load's page list (and the
+  records, which follow it) say otherwise: the request reading the prefix reads the wrong KV at
+  those positions; ``verify_real_kv_hash`` at TAIL on both slots.
+- ``hicache_stale_page`` (HiCache): the first load back of two or more pages leaves the second
+  page's device slots as they were (the engine skips its scatter, yet points the prefix at them),
+  while its records are imported: ``verify_real_kv_hash`` at TAIL on that page's slots in the
+  step that reads the prefix.
+- ``hicache_host_flip`` (HiCache): one byte of layer 0's K of the first page backed up to the host
+  flipped in the host copy (a copy damaged in transit): ``verify_real_kv_hash`` at
+  ``HOST_BACKUP_K_FULL`` (the host check, logged at once) naming the device slot
+  the page was copied from; if the page is loaded back later, also at TAIL in the step that reads
+  it.
+
 Scheduler-side kinds run in the scheduler's thread before a batch is launched (step = the batch's
 launch count); forward-side kinds run where the forward runs, right before the step (step = the
 canary's step count). After precompile both count from 1.
@@ -46,7 +60,9 @@ from .canary import LOGGER, radix_chains
 SCHEDULER_KINDS = ("req_to_token_swap", "slot_double_free", "real_kv_unused_cache")
 FORWARD_KINDS = ("real_kv_used", "wrong_position", "cache_loc_off_by_one",
                  "future_token_ring_wrap")
-KINDS = SCHEDULER_KINDS + FORWARD_KINDS
+#: kinds planted in the HiCache host pool's copies (need --hicache-storage none)
+HICACHE_KINDS = ("hicache_reload_swap", "hicache_stale_page", "hicache_host_flip")
+KINDS = SCHEDULER_KINDS + FORWARD_KINDS + HICACHE_KINDS
 #: kinds found by the write-input assert only
 TOKEN_KINDS = ("future_token_ring_wrap",)
 
@@ -122,6 +138,9 @@ class FaultInjector:
         self.logger = logger or LOGGER
         self.done = False
         self._queued_slot = None             # real_kv_unused_cache: chosen here, flipped there
+        if spec.kind in HICACHE_KINDS:
+            self._hook_host_pool(getattr(getattr(scheduler, "tree_cache", None), "host_pool",
+                                         None))
 
     def _log(self, step: int, what: str) -> None:
         self.done = True
@@ -225,3 +244,49 @@ class FaultInjector:
             self._log(step, f"input token of batch row 0 (pool row {rows[0]}, written to slot "
                             f"{slot}) set to {ids[0]}, the token of batch row {other[0]} (pool "
                             f"row {rows[other[0]]}); it was {was}")
+
+    # -- the HiCache host pool (the scheduler's thread and the engine's D2H worker) --------------
+    def _hook_host_pool(self, pool) -> None:
+        """Wrap the engine's own copies (inside the canary's wrappers of ``hicache``)."""
+        if pool is None:
+            raise ValueError(f"kv-canary: --kv-canary-inject {self.spec.kind} needs HiCache "
+                             "(--hicache-storage none)")
+        if self.spec.kind in ("hicache_reload_swap", "hicache_stale_page"):
+            flush_load = pool.flush_load
+
+            def flush_load_damaged(host_buffer_ids, device_indices):
+                step = self.canary.launches
+                ids, pages = list(host_buffer_ids), list(device_indices)
+                if self.done or step < self.spec.step or len(pages) < 2:
+                    return flush_load(ids, pages)
+                if self.spec.kind == "hicache_reload_swap":
+                    pages[0], pages[1] = pages[1], pages[0]
+                    self._log(step, f"the KV of host pages {ids[0]} and {ids[1]} scattered into "
+                                    f"each other's device pages ({int(pages[1])}, "
+                                    f"{int(pages[0])})")
+                    return flush_load(ids, pages)
+                self._log(step, f"host page {ids[1]} not scattered: device page "
+                                f"{int(pages[1])} keeps its old KV")
+                return flush_load(ids[:1] + ids[2:], pages[:1] + pages[2:])
+
+            pool.flush_load = flush_load_damaged
+        else:
+            flush_backup = pool.flush_backup
+
+            def flush_backup_flipped(host_buffer_ids):
+                flush_backup(host_buffer_ids)
+                step = self.canary.launches
+                if self.done or step < self.spec.step or not host_buffer_ids:
+                    return
+                bid = int(host_buffer_ids[0])
+                with pool._lock:
+                    slot = pool._slots[bid]
+                    if slot is None:
+                        return
+                    host = np.array(slot)
+                    host[0].reshape(-1).view(np.uint8)[0] ^= 0xFF
+                    pool._slots[bid] = jax.device_put(host, slot.sharding)
+                self._log(step, f"flipped byte 0 of layer 0 in host page {bid} after its copy "
+                                "from the device")
+
+            pool.flush_backup = flush_backup_flipped

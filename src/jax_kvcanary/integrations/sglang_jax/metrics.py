@@ -16,6 +16,9 @@ therefore show up there with no endpoint of their own:
 ``kv_canary_health_checks_total``   counter  health checks made
 ``kv_canary_health_ok``             gauge    1 while every health check passed, else 0
 ``kv_canary_protected_tokens``      gauge    KV slots in use (their records are checked)
+``kv_canary_hicache_pages_total``   counter  HiCache host pages by ``what``: records
+                                             ``exported`` (backup), ``imported`` (load),
+                                             ``skipped`` (not loaded), ``checked`` (host)
 ==================================  =======  =============================================
 
 The device counters (verified, written) are as of the monitor's last full readback: every
@@ -44,6 +47,10 @@ def protected_tokens(allocator) -> int:
         return -1
 
 
+#: the HiCache page counts of ``hicache.HostRecords`` in the stats line and the metrics
+HOST_PAGE_COUNTS = ("exported", "imported", "skipped", "checked")
+
+
 class CanaryTotals:
     """What the canary has counted since its last reset, as plain numbers (for the stats line and
     the metrics): read from a ``SglangJaxCanary`` by ``read``."""
@@ -55,6 +62,7 @@ class CanaryTotals:
         self.written: Dict[str, int] = {}
         self.health_checks = 0
         self.health_ok = True
+        self.host_pages: Dict[str, int] = {}     # HiCache pages: exported, imported, skipped, checked
 
     @classmethod
     def read(cls, canary) -> "CanaryTotals":
@@ -63,6 +71,9 @@ class CanaryTotals:
         t.steps, t.sweeps = int(canary.steps), int(canary.sweeps)
         t.violations = dict(m.by_tag_reason)
         t.health_checks, t.health_ok = m.health.checks, m.health.ok
+        host = getattr(canary, "host_tier", None)
+        if host is not None:
+            t.host_pages = {k: int(getattr(host, k)) for k in HOST_PAGE_COUNTS}
         if m.counters is not None:
             ver = m.counters.verified.sum(axis=0)
             wr = m.counters.written.sum(axis=0)
@@ -82,6 +93,9 @@ class CanaryTotals:
                  f"sweep_passes={self.sweeps} violations={self.total_violations}"]
         parts += [f"{tag}=verified:{self.verified[tag]},written:{self.written[tag]}"
                   for tag in sorted(self.verified)]
+        if self.host_pages:
+            parts.append("hicache_pages=" + ",".join(f"{k}:{self.host_pages[k]}"
+                                                     for k in HOST_PAGE_COUNTS))
         return " ".join(parts)
 
 
@@ -116,6 +130,10 @@ class PrometheusCounters:
                                "passed, else 0", registry=reg, multiprocess_mode="mostrecent")
         self.protected = Gauge("kv_canary_protected_tokens", "KV slots in use, checked by the "
                                "canary", registry=reg, multiprocess_mode="mostrecent")
+        self.host_pages = Counter("kv_canary_hicache_pages", "HiCache host pages whose canary "
+                                  "records were exported (backup), imported (load), skipped (a "
+                                  "page the engine did not load) or checked on the host",
+                                  ["what"], registry=reg)
         self.health_ok.set(1)
         self._last = collections.defaultdict(int)
 
@@ -137,6 +155,8 @@ class PrometheusCounters:
         self._add(self.steps, (), totals.steps)
         self._add(self.sweeps, (), totals.sweeps)
         self._add(self.health_checks, (), totals.health_checks)
+        for what, n in totals.host_pages.items():
+            self._add(self.host_pages, (what,), n)
         self.health_ok.set(1 if totals.health_ok else 0)
         if protected is not None and protected >= 0:
             self.protected.set(protected)

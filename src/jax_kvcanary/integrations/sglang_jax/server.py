@@ -28,8 +28,9 @@ from ...runtime.config import CanaryConfig
 from ...runtime.errors import CanaryHealthError, CanaryViolationError
 from . import pools
 from .canary import LOGGER, install_into_scheduler
+from .hicache import install_host_records
 from .request_guard import install_request_guard
-from .inject import TOKEN_KINDS, FaultInjector, InjectSpec
+from .inject import HICACHE_KINDS, TOKEN_KINDS, FaultInjector, InjectSpec
 from .layout import ATTENTION_BACKENDS
 from .metrics import PrometheusCounters, protected_tokens
 
@@ -73,9 +74,10 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
     if getattr(a, "pd_disaggregation", ""):
         refuse(f"--pd-disaggregation {a.pd_disaggregation}",
                "its fused forward_and_sample path bypasses the wrapped model call", off)
-    if getattr(a, "hicache_storage", "disable") not in (None, "disable"):
+    if getattr(a, "hicache_storage", "disable") not in (None, "disable", "none"):
         refuse(f"--hicache-storage {a.hicache_storage}",
-               "KV the engine offloads to the host is not checked", f"drop it, {off}")
+               "records do not travel to the L3 storage tier (the host tier is guarded)",
+               f"use --hicache-storage none, {off}")
     if a.attention_backend not in ATTENTION_BACKENDS:
         refuse(f"--attention-backend {a.attention_backend}",
                "the canary reads the page table as the native and fa backends do",
@@ -92,6 +94,10 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
         refuse("--kv-canary-write-input-assert / --kv-canary-token-check with --enable-mixed-chunk",
                "a mixed batch's decode tokens are not in its requests' host state",
                "drop --enable-mixed-chunk")
+    if (inject is not None and inject.kind in HICACHE_KINDS
+            and getattr(a, "hicache_storage", "disable") != "none"):
+        refuse(f"--kv-canary-inject {inject.kind} without HiCache",
+               "that fault is planted in the host tier's copies", "add --hicache-storage none")
     if inject is not None and inject.kind in TOKEN_KINDS and not config.write_input_assert:
         refuse(f"--kv-canary-inject {inject.kind} without --kv-canary-write-input-assert",
                "that fault is found by the write-input assert",
@@ -200,6 +206,10 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
     except Exception as e:
         raise _unguarded(logger, f"kv-canary: compiling the canary failed ({type(e).__name__}: "
                                  f"{e})") from e
+    try:
+        host = install_host_records(canary, getattr(scheduler, "tree_cache", None))
+    except (TypeError, ValueError) as e:
+        raise _unguarded(logger, str(e)) from e
     logger.info("kv-canary: installed (mode=%s, real data=%s, sweep interval=%d, %s runner, "
                 "%s attention, page size %d%s)%s", "abort" if guard.abort else config.mode,
                 config.real_kv_hash_mode.name.lower(),
@@ -208,6 +218,7 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
                 "".join([f", tensor parallel over {canary.tp} devices" if canary.tp > 1 else "",
                          ", write-input assert" if config.write_input_assert else "",
                          ", token check" if config.token_check else "",
+                         ", HiCache host records" if host is not None else "",
                          ", metrics on /metrics" if metrics is not None else ""]),
                 f"; fault to inject: {inject.kind} from step {inject.step}" if inject else "")
     return canary
