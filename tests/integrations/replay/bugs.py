@@ -7,9 +7,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Tuple
 
-from tests.support.sglang_server import TINY_ENGINE_ARGS
+from tests.support.sglang_server import LAUNCHER, TINY_ENGINE_ARGS
 
 from .runner import Workload
+
+#: the launcher with the CPU stand-ins of sglang-jax's TPU-only kernels (HiCache loads need one)
+STAND_INS = "tests.support.launch_with_stand_ins"
+#: prompts one at a time on a 512-slot pool: A is backed up to the host when hit, evicted by the
+#: long B, recomputed when the device has no room to load it back (reviving its tombstone), then
+#: hit again after other requests took slots
+HICACHE_SEQUENCE = (("A", 60), ("A", 60), ("C", 60), ("B", 440), ("D", 60), ("D", 60), ("A", 60),
+                    ("B", 440), ("D", 60), ("A", 60), ("B", 440), ("C", 60), ("A", 60))
 
 #: the write-input assert and the token check
 TOKEN_FLAGS = ("--kv-canary-write-input-assert", "--kv-canary-token-check")
@@ -44,6 +52,8 @@ class Bug:
       engine_args: sglang-jax's arguments for the replay (the overlap scheduler unless they say).
       canary_args: the canary's arguments besides ``--kv-canary MODE``.
       workload: what the replay sends.
+      launcher: the module that starts the server (the kv-canary launcher, or the same with the
+        CPU stand-ins of sglang-jax's TPU-only kernels for features that need them).
     """
 
     key: str
@@ -53,6 +63,7 @@ class Bug:
     engine_args: Tuple[str, ...]
     canary_args: Tuple[str, ...] = TOKEN_FLAGS
     workload: Workload = Workload()
+    launcher: str = LAUNCHER
 
 
 BUGS: Dict[str, Bug] = {b.key: b for b in (
@@ -70,4 +81,11 @@ BUGS: Dict[str, Bug] = {b.key: b for b in (
         "a chunked request's req_to_token row freed and reused between its chunks",
         "1008-chunked-req-row-freed.patch",
         engine_args(), workload=Workload(shared_prefixes=4)),
+    Bug("1618", "#1618 (fix PR #1648)",
+        "a revived HiCache prefix's slots freed while the radix tree serves them",
+        "1618-hicache-revive-frees-adopted-slots.patch",
+        engine_args(max_total_tokens="512", chunked_prefill_size="512",
+                    precompile_token_paddings=("64", "512"), hicache_storage="none",
+                    hicache_ratio="8"),
+        workload=Workload(new_tokens=8, sequence=HICACHE_SEQUENCE), launcher=STAND_INS),
 )}

@@ -31,9 +31,9 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from tests.support.sglang_server import Server
+from tests.support.sglang_server import LAUNCHER, Server
 
 from . import builds
 
@@ -102,11 +102,18 @@ class Workload:
     new_tokens: int = 10
     shared_prefixes: int = 0      # prompts share this many long prefixes (across a phase's bursts)
     identical: bool = False       # every request of a burst sends the same long prompt
+    #: instead of bursts: prompts of token ids sent one at a time, ``(name, tokens)`` each (the
+    #: same name: the same prompt, within a phase)
+    sequence: Tuple[Tuple[str, int], ...] = ()
 
-    def phase_prompts(self, seed: int) -> List[List[str]]:
-        """The prompts of each burst of one phase (``seed``: the phase)."""
+    def phase_prompts(self, seed: int) -> List[list]:
+        """The prompts of each burst of one phase (``seed``: the phase): texts, or for a
+        ``sequence`` one-prompt bursts of token-id tuples."""
         import random
 
+        if self.sequence:
+            return [[tuple((ord(name[0]) * 7919 + seed * 104729 + i * 31) % 1000 + 10
+                           for i in range(n))] for name, n in self.sequence]
         rng = random.Random(seed)
         if self.identical:
             return [[f"burst {seed}-{b}: " + words(rng, 38, 44)] * self.concurrency
@@ -115,14 +122,26 @@ class Workload:
         return [prompts(self.concurrency, seed * 100 + b, pre) for b in range(self.bursts)]
 
 
-def burst(srv: Server, texts: Sequence[str], new_tokens: int) -> list:
-    """Send ``texts`` as concurrent ``/generate`` requests; each reply (dict) or the exception."""
+def prompt_key(prompt) -> str:
+    """A prompt (text, or a tuple of token ids) as a key of the reference answers."""
+    return prompt if isinstance(prompt, str) else json.dumps(list(prompt))
+
+
+def generate(srv: Server, prompt, new_tokens: int, timeout: float = 600) -> dict:
+    """One greedy ``/generate`` of a text or of token ids."""
+    body = {"text": prompt} if isinstance(prompt, str) else {"input_ids": list(prompt)}
+    body["sampling_params"] = {"max_new_tokens": new_tokens, "temperature": 0}
+    return srv.post("/generate", body, timeout=timeout)
+
+
+def burst(srv: Server, texts: Sequence, new_tokens: int) -> list:
+    """Send ``texts`` (prompts) as concurrent ``/generate`` requests; each reply (dict) or the
+    exception."""
     out: list = [None] * len(texts)
 
     def go(i):
         try:
-            out[i] = srv.post("/generate", {"text": texts[i], "sampling_params": {
-                "max_new_tokens": new_tokens, "temperature": 0}}, timeout=600)
+            out[i] = generate(srv, texts[i], new_tokens)
         except Exception as e:            # noqa: BLE001 (an HTTP failure is a result here)
             out[i] = e
 
@@ -180,11 +199,13 @@ class PhaseResult:
 
 def reference_answers(model_dir: str, engine_args: Sequence[str], workload: Workload,
                       phases: Sequence[bool], workdir: str, log_dir: str,
-                      fixtures: Sequence[str] = builds.FIXTURES) -> Dict[str, list]:
+                      fixtures: Sequence[str] = builds.FIXTURES,
+                      launcher: str = LAUNCHER) -> Dict[str, list]:
     """The stock answers of the build with ``fixtures`` (the fixed build) to every prompt of the
-    phases, one at a time (cached in ``workdir`` by build, engine arguments and workload)."""
+    phases, one at a time (cached in ``workdir`` by build, engine arguments and workload), by
+    ``prompt_key``."""
     key = json.dumps([list(fixtures), list(engine_args), dataclasses.asdict(workload),
-                      list(phases)])
+                      list(phases), launcher])
     path = os.path.join(workdir, f"reference-{hashlib.sha1(key.encode()).hexdigest()[:10]}.json")
     if os.path.exists(path):
         with open(path) as f:
@@ -195,12 +216,13 @@ def reference_answers(model_dir: str, engine_args: Sequence[str], workload: Work
     answers = {}
     args = ["--model-path", model_dir, *engine_args, "--kv-canary", "none",
             "--disable-overlap-schedule"]
-    with Server(args, os.path.join(log_dir, "reference.log"), env=build.env) as srv:
+    with Server(args, os.path.join(log_dir, "reference.log"), env=build.env,
+                module=launcher) as srv:
         for seed, _ in enumerate(phases):
             for texts in workload.phase_prompts(seed):
                 for t in texts:
-                    if t not in answers:
-                        answers[t] = srv.generate(t, workload.new_tokens)["output_ids"]
+                    if prompt_key(t) not in answers:
+                        answers[prompt_key(t)] = generate(srv, t, workload.new_tokens)["output_ids"]
     with open(path, "w") as f:
         json.dump({"key": key, "answers": answers}, f)
     return answers
@@ -208,21 +230,21 @@ def reference_answers(model_dir: str, engine_args: Sequence[str], workload: Work
 
 def run_server(build: builds.Build, label: str, mode: str, model_dir: str,
                engine_args: Sequence[str], canary_args: Sequence[str], workload: Workload,
-               phases: Sequence[bool], reference: Dict[str, list], log_dir: str
-               ) -> List[PhaseResult]:
+               phases: Sequence[bool], reference: Dict[str, list], log_dir: str,
+               launcher: str = LAUNCHER) -> List[PhaseResult]:
     """One guarded server of ``build`` in ``mode``; one ``PhaseResult`` per phase (``phases``:
     whether each runs under ``CpuLoad``)."""
     args = ["--model-path", model_dir, *engine_args, "--kv-canary", mode, *canary_args]
     log_path = os.path.join(log_dir, f"{label}-{mode}.log")
     results = []
-    with Server(args, log_path, env=build.env) as srv:
+    with Server(args, log_path, env=build.env, module=launcher) as srv:
         for seed, loaded in enumerate(phases):
             res = PhaseResult(label, mode, loaded)
             start = len(srv.log())
             with (CpuLoad() if loaded else _Nothing()):
                 for texts in workload.phase_prompts(seed):
                     for text, reply in zip(texts, burst(srv, texts, workload.new_tokens)):
-                        kind = classify(reply, reference[text])
+                        kind = classify(reply, reference[prompt_key(text)])
                         res.requests += 1
                         res.counts[kind] = res.counts.get(kind, 0) + 1
                         if kind != "error":
@@ -253,14 +275,16 @@ def run_bug(bug, model_dir: str, workdir: str, log_dir: str, phases: Sequence[bo
     """Replay ``bug`` (a ``bugs.Bug``); returns its results (``summarize`` reads them)."""
     workload = bug.workload if bursts is None else dataclasses.replace(bug.workload, bursts=bursts)
     os.makedirs(log_dir, exist_ok=True)
-    reference = reference_answers(model_dir, bug.engine_args, workload, phases, workdir, log_dir)
+    reference = reference_answers(model_dir, bug.engine_args, workload, phases, workdir, log_dir,
+                                  launcher=bug.launcher)
     bug_build = builds.make_build(workdir, (bug.patch,))
     fixed = builds.make_build(workdir, ())
     out = {"bug": bug.key, "phases": []}
     for build, label, mode in ((bug_build, "bug", "abort"), (bug_build, "bug", "log"),
                                (fixed, "fixed", "abort")):
         for res in run_server(build, f"{bug.key}-{label}", mode, model_dir, bug.engine_args,
-                              bug.canary_args, workload, phases, reference, log_dir):
+                              bug.canary_args, workload, phases, reference, log_dir,
+                              launcher=bug.launcher):
             res.build = label
             out["phases"].append(res)
     return out
