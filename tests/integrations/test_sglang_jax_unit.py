@@ -178,6 +178,12 @@ def test_refusals_name_the_setting_and_the_fix():
         (dict(hicache_storage="file"), "kv-canary: --hicache-storage file is not supported"),
         (dict(attention_backend="fa_mha"), "kv-canary: --attention-backend fa_mha"),
         (dict(pd_disaggregation="pathways"), "kv-canary: --pd-disaggregation pathways"),
+        (dict(disaggregation_mode="decode", disaggregation_use_raiden=True),
+         "kv-canary: --disaggregation-use-raiden with --disaggregation-mode decode"),
+        (dict(disaggregation_mode="prefill", disaggregation_enable_d2h=True),
+         "kv-canary: --disaggregation-enable-d2h with --disaggregation-mode prefill"),
+        (dict(disaggregation_mode="prefill", tp_size=2),
+         "kv-canary: --tp-size 2 with --disaggregation-mode prefill"),
     ]
     for change, text in cases:
         got = refusals(server_args(**change), log)
@@ -194,6 +200,13 @@ def test_refusals_name_the_setting_and_the_fix():
         got = refusals(server_args(), log, InjectSpec(kind))
         assert got and "add --hicache-storage none" in got[0]
         assert refusals(server_args(hicache_storage="none"), log, InjectSpec(kind)) == []
+    for mode in ("prefill", "decode"):                # jax_transfer on one host: guarded
+        assert refusals(server_args(disaggregation_mode=mode), log) == []
+    for kind in ("pd_zero_slot", "pd_page_shift", "pd_early_reuse"):
+        for mode in ("null", "prefill"):
+            got = refusals(server_args(disaggregation_mode=mode), log, InjectSpec(kind))
+            assert got and "start it on the decode server" in got[0], got
+        assert refusals(server_args(disaggregation_mode="decode"), log, InjectSpec(kind)) == []
     tokens = CanaryConfig(mode="log", token_check=True)
     assert refusals(server_args(enable_mixed_chunk=True), log) == []
     assert refusals(server_args(enable_mixed_chunk=True), tokens)[0].startswith(
@@ -301,6 +314,26 @@ def test_prometheus_counters_add_what_changed_and_restart_after_a_reset():
     line = t.stats_line(80)
     assert line.startswith("kv_canary stats: step=15 protected_tokens=80 sweep_passes=2 "
                            "violations=5 HEAD_K_FULL=verified:160,written:40"), line
+
+
+def test_the_host_tier_and_pd_counts_reach_the_stats_line_and_the_metrics():
+    prom = pytest.importorskip("prometheus_client")
+    from jax_kvcanary.integrations.sglang_jax.metrics import CanaryTotals, PrometheusCounters
+
+    reg = prom.CollectorRegistry()
+    pc = PrometheusCounters(registry=reg)
+    t = CanaryTotals()
+    t.host_pages = {"exported": 7, "imported": 5, "skipped": 1, "checked": 6}
+    t.pd_side, t.pd = "decode", {"requests": 3, "slots": 21}
+    pc.update(t)
+    get = reg.get_sample_value
+    assert get("kv_canary_hicache_pages_total", {"what": "skipped"}) == 1
+    assert get("kv_canary_pd_requests_total", {"side": "decode"}) == 3
+    assert get("kv_canary_pd_slots_total", {"side": "decode"}) == 21
+    assert get("kv_canary_pd_requests_total", {"side": "prefill"}) is None
+    line = t.stats_line(0)
+    assert line.endswith(" hicache_pages=exported:7,imported:5,skipped:1,checked:6 "
+                         "pd_decode=requests:3,slots:21"), line
 
 
 def test_an_idle_report_that_fails_for_another_reason_does_not_end_the_server(caplog):

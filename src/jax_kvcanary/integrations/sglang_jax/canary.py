@@ -286,6 +286,7 @@ class SglangJaxCanary:
         self.gate_hooks = []                         # f(batch, step), after gate()
         self.gated = False                           # a scheduler hook calls gate() per batch
         self.host_tier = None                        # hicache.HostRecords, with HiCache
+        self.transfer = None                         # pd.TransferRecords, on a PD server
         self.records = collections.OrderedDict()     # monitor step -> StepRecord
         self._bid_steps = {}                         # batch id -> monitor step of its launch
         self.launches = 0                            # batches the scheduler hook has seen

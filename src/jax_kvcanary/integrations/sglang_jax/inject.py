@@ -41,6 +41,19 @@ own structures once, at the first batch from the ``N``-th on that has a target, 
   the page was copied from; if the page is loaded back later, also at TAIL in the step that reads
   it.
 
+- ``pd_zero_slot`` (PD decode server): the first transferred request with two or more prompt
+  tokens has its position-1 slot of layer 0's KV left all zeros after the engine writes the
+  pulled KV (as in SGLang #38586): ``verify_real_kv_hash`` at TAIL on that slot in the first
+  decode step of the request.
+- ``pd_page_shift`` (PD decode server): the pulled KV of the first transferred request is written
+  one page past the slots the decode server allocated for it (the records go where the page list
+  says): the request's prompt slots hold other KV; ``verify_real_kv_hash`` at TAIL on them in its
+  first decode step.
+- ``pd_early_reuse`` (PD decode server): the slots of the second transferred request also receive
+  the KV of the first, after its own (a transfer finishing into pages the decode server had
+  already reused, as in SGLang #24527): ``verify_real_kv_hash`` at TAIL on the overwritten
+  prompt slots in its first decode step.
+
 Scheduler-side kinds run in the scheduler's thread before a batch is launched (step = the batch's
 launch count); forward-side kinds run where the forward runs, right before the step (step = the
 canary's step count). After precompile both count from 1.
@@ -50,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 from typing import Optional
 
 import jax
@@ -62,7 +76,9 @@ FORWARD_KINDS = ("real_kv_used", "wrong_position", "cache_loc_off_by_one",
                  "future_token_ring_wrap")
 #: kinds planted in the HiCache host pool's copies (need --hicache-storage none)
 HICACHE_KINDS = ("hicache_reload_swap", "hicache_stale_page", "hicache_host_flip")
-KINDS = SCHEDULER_KINDS + FORWARD_KINDS + HICACHE_KINDS
+#: kinds planted in a PD decode server's receive (need --disaggregation-mode decode)
+PD_KINDS = ("pd_zero_slot", "pd_page_shift", "pd_early_reuse")
+KINDS = SCHEDULER_KINDS + FORWARD_KINDS + HICACHE_KINDS + PD_KINDS
 #: kinds found by the write-input assert only
 TOKEN_KINDS = ("future_token_ring_wrap",)
 
@@ -117,6 +133,14 @@ def _flip_byte(layout, slot: int) -> None:
     layout.set_kv0(jax.device_put(arr, kv0.sharding))
 
 
+def _zero_slot(layout, slot: int) -> None:
+    """Zero ``slot``'s token row of layer 0's KV (every K and V head)."""
+    kv0 = layout.kv0()
+    arr = np.array(kv0)
+    arr.reshape(layout.geometry.num_slots, -1)[slot] = 0
+    layout.set_kv0(jax.device_put(arr, kv0.sharding))
+
+
 def _replace(array, values):
     return jax.device_put(np.asarray(values, dtype=array.dtype), array.sharding)
 
@@ -141,6 +165,8 @@ class FaultInjector:
         if spec.kind in HICACHE_KINDS:
             self._hook_host_pool(getattr(getattr(scheduler, "tree_cache", None), "host_pool",
                                          None))
+        if spec.kind in PD_KINDS:
+            self._hook_receive(scheduler)
 
     def _log(self, step: int, what: str) -> None:
         self.done = True
@@ -290,3 +316,45 @@ class FaultInjector:
                                 "from the device")
 
             pool.flush_backup = flush_backup_flipped
+
+    # -- a PD decode server's receive (the scheduler's thread) -----------------------------------
+    def _hook_receive(self, scheduler) -> None:
+        """Wrap the engine's write of a pulled request's KV (the canary's ``pd`` wrapper, installed
+        later, calls this one once it has taken its records off the pulled arrays)."""
+        if getattr(scheduler.server_args, "disaggregation_mode", "null") != "decode":
+            raise ValueError(f"kv-canary: --kv-canary-inject {self.spec.kind} needs a PD decode "
+                             "server (--disaggregation-mode decode)")
+        install = scheduler._install_received_kv
+        earlier = []                                   # pd_early_reuse: (prompt, pulled KV)
+
+        def install_damaged(req, kv_indices, kv):
+            step = self.canary.launches
+            prompt = list(req.origin_input_ids)
+            if self.done or step < self.spec.step or len(prompt) < 2:
+                return install(req, kv_indices, kv)
+            indices = np.asarray(kv_indices)
+            if self.spec.kind == "pd_page_shift":
+                ps = int(self.canary.layout.page_size)
+                last = int(indices[len(prompt) - 1])
+                shift = ps if last + ps < self.canary.layout.geometry.num_slots else -ps
+                install(req, indices + shift, kv)
+                self._log(step, f"the pulled KV of request {req.rid} written one page off "
+                                f"({shift:+d} slots) from its slots {int(indices[0])}..{last}")
+                return
+            install(req, kv_indices, kv)
+            if self.spec.kind == "pd_zero_slot":
+                slot = int(indices[1])
+                _zero_slot(self.canary.layout, slot)
+                self._log(step, f"slot {slot} (position 1 of request {req.rid}) left all zeros "
+                                "in layer 0's KV after the transfer")
+            elif not earlier:
+                earlier.append((prompt, kv))
+            else:
+                first, first_kv = earlier[0]
+                n = min(len(first), len(prompt))
+                late = types.SimpleNamespace(rid=req.rid, origin_input_ids=first[:n])
+                scheduler._write_kv_to_pool(late, kv_indices, first_kv)
+                self._log(step, f"the KV of an earlier transfer written over slots "
+                                f"{int(indices[0])}..{int(indices[n - 1])} of request {req.rid}")
+
+        scheduler._install_received_kv = install_damaged

@@ -19,6 +19,10 @@ therefore show up there with no endpoint of their own:
 ``kv_canary_hicache_pages_total``   counter  HiCache host pages by ``what``: records
                                              ``exported`` (backup), ``imported`` (load),
                                              ``skipped`` (not loaded), ``checked`` (host)
+``kv_canary_pd_requests_total``     counter  PD requests whose records went with their KV, by
+                                             ``side`` (``prefill``: sent, ``decode``:
+                                             received and imported)
+``kv_canary_pd_slots_total``        counter  their prompt slots, by ``side``
 ==================================  =======  =============================================
 
 The device counters (verified, written) are as of the monitor's last full readback: every
@@ -63,6 +67,8 @@ class CanaryTotals:
         self.health_checks = 0
         self.health_ok = True
         self.host_pages: Dict[str, int] = {}     # HiCache pages: exported, imported, skipped, checked
+        self.pd_side: Optional[str] = None        # PD: prefill or decode
+        self.pd: Dict[str, int] = {}              # PD: requests, slots (sent or received)
 
     @classmethod
     def read(cls, canary) -> "CanaryTotals":
@@ -74,6 +80,10 @@ class CanaryTotals:
         host = getattr(canary, "host_tier", None)
         if host is not None:
             t.host_pages = {k: int(getattr(host, k)) for k in HOST_PAGE_COUNTS}
+        transfer = getattr(canary, "transfer", None)
+        if transfer is not None:
+            t.pd_side = transfer.role
+            t.pd = {"requests": int(transfer.requests), "slots": int(transfer.slots)}
         if m.counters is not None:
             ver = m.counters.verified.sum(axis=0)
             wr = m.counters.written.sum(axis=0)
@@ -96,6 +106,9 @@ class CanaryTotals:
         if self.host_pages:
             parts.append("hicache_pages=" + ",".join(f"{k}:{self.host_pages[k]}"
                                                      for k in HOST_PAGE_COUNTS))
+        if self.pd:
+            parts.append(f"pd_{self.pd_side}=requests:{self.pd['requests']},"
+                         f"slots:{self.pd['slots']}")
         return " ".join(parts)
 
 
@@ -134,6 +147,11 @@ class PrometheusCounters:
                                   "records were exported (backup), imported (load), skipped (a "
                                   "page the engine did not load) or checked on the host",
                                   ["what"], registry=reg)
+        self.pd_requests = Counter("kv_canary_pd_requests", "PD requests whose canary records "
+                                   "were sent with their KV (prefill) or received and imported "
+                                   "(decode)", ["side"], registry=reg)
+        self.pd_slots = Counter("kv_canary_pd_slots", "prompt slots of those PD requests",
+                                ["side"], registry=reg)
         self.health_ok.set(1)
         self._last = collections.defaultdict(int)
 
@@ -157,6 +175,9 @@ class PrometheusCounters:
         self._add(self.health_checks, (), totals.health_checks)
         for what, n in totals.host_pages.items():
             self._add(self.host_pages, (what,), n)
+        if totals.pd:
+            self._add(self.pd_requests, (totals.pd_side,), totals.pd["requests"])
+            self._add(self.pd_slots, (totals.pd_side,), totals.pd["slots"])
         self.health_ok.set(1 if totals.health_ok else 0)
         if protected is not None and protected >= 0:
             self.protected.set(protected)

@@ -306,21 +306,25 @@ class RequestGuard:
                     named.setdefault(id(req), (req, []))[1].extend(hit)
 
     def _act(self, req, step: int, what: str) -> None:
-        """Abort ``req`` (mode ``abort``) or name it in the log (mode ``log``), once."""
+        """Abort ``req`` (mode ``abort``) or name it in the log (mode ``log``), once. On a PD
+        server the line says which side (``on the PD decode server``)."""
+        transfer = getattr(self.canary, "transfer", None)
+        side = f" on the PD {transfer.role} server" if transfer is not None else ""
         if not self.abort:
             if req.rid not in self._named_rids:
                 self._named_rids.add(req.rid)
                 self.named.append(req.rid)
                 self.logger.warning("kv-canary: request rid=%s read KV that failed the canary at "
-                                    "step %d: its %s; its answer may be wrong", req.rid, step, what)
+                                    "step %d%s: its %s; its answer may be wrong", req.rid, step,
+                                    side, what)
             return
         if req.to_finish is not None or req.finished():
             return
-        req.to_finish = self.finish_abort(f"kv-canary: request aborted: its {what}; the server "
-                                          "log has the report")
+        req.to_finish = self.finish_abort(f"kv-canary: request aborted{side}: its {what}; the "
+                                          "server log has the report")
         self.named.append(req.rid)
-        self.logger.warning("kv-canary: aborting request rid=%s at step %d: its %s", req.rid,
-                            step, what)
+        self.logger.warning("kv-canary: aborting request rid=%s at step %d%s: its %s", req.rid,
+                            step, side, what)
 
     def before_schedule(self) -> None:
         """Evict the quarantined slots from the prefix cache (the scheduler's thread, before it

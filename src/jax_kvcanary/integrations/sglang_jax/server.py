@@ -29,8 +29,9 @@ from ...runtime.errors import CanaryHealthError, CanaryViolationError
 from . import pools
 from .canary import LOGGER, install_into_scheduler
 from .hicache import install_host_records
+from .pd import install_transfer_records
 from .request_guard import install_request_guard
-from .inject import HICACHE_KINDS, TOKEN_KINDS, FaultInjector, InjectSpec
+from .inject import HICACHE_KINDS, PD_KINDS, TOKEN_KINDS, FaultInjector, InjectSpec
 from .layout import ATTENTION_BACKENDS
 from .metrics import PrometheusCounters, protected_tokens
 
@@ -69,8 +70,15 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
     if getattr(a, "multimodal", False):
         refuse("--multimodal", "the multimodal server has schedulers of its own", off)
     if getattr(a, "disaggregation_mode", "null") not in (None, "null"):
-        refuse(f"--disaggregation-mode {a.disaggregation_mode}",
-               "KV transferred between engines is not checked here", off)
+        for flag, name in (("disaggregation_use_raiden", "--disaggregation-use-raiden"),
+                           ("disaggregation_enable_d2h", "--disaggregation-enable-d2h")):
+            if getattr(a, flag, False):
+                refuse(f"{name} with --disaggregation-mode {a.disaggregation_mode}",
+                       "the canary's records travel with the jax_transfer pull from device "
+                       "memory only (not run here otherwise)", f"drop {name}, {off}")
+        if int(a.tp_size) != 1:
+            refuse(f"--tp-size {a.tp_size} with --disaggregation-mode {a.disaggregation_mode}",
+                   "PD with tensor parallelism has not run here", f"use --tp-size 1, {off}")
     if getattr(a, "pd_disaggregation", ""):
         refuse(f"--pd-disaggregation {a.pd_disaggregation}",
                "its fused forward_and_sample path bypasses the wrapped model call", off)
@@ -98,6 +106,11 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
             and getattr(a, "hicache_storage", "disable") != "none"):
         refuse(f"--kv-canary-inject {inject.kind} without HiCache",
                "that fault is planted in the host tier's copies", "add --hicache-storage none")
+    if (inject is not None and inject.kind in PD_KINDS
+            and getattr(a, "disaggregation_mode", "null") != "decode"):
+        refuse(f"--kv-canary-inject {inject.kind} without --disaggregation-mode decode",
+               "that fault is planted in a PD decode server's receive", "start it on the decode "
+               "server")
     if inject is not None and inject.kind in TOKEN_KINDS and not config.write_input_assert:
         refuse(f"--kv-canary-inject {inject.kind} without --kv-canary-write-input-assert",
                "that fault is found by the write-input assert",
@@ -208,6 +221,7 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
                                  f"{e})") from e
     try:
         host = install_host_records(canary, getattr(scheduler, "tree_cache", None))
+        transfer = install_transfer_records(canary, scheduler)
     except (TypeError, ValueError) as e:
         raise _unguarded(logger, str(e)) from e
     logger.info("kv-canary: installed (mode=%s, real data=%s, sweep interval=%d, %s runner, "
@@ -219,6 +233,7 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
                          ", write-input assert" if config.write_input_assert else "",
                          ", token check" if config.token_check else "",
                          ", HiCache host records" if host is not None else "",
+                         f", PD {transfer.role} records" if transfer is not None else "",
                          ", metrics on /metrics" if metrics is not None else ""]),
                 f"; fault to inject: {inject.kind} from step {inject.step}" if inject else "")
     return canary
