@@ -164,3 +164,34 @@ def test_a_host_copy_damaged_in_transit_is_reported_by_the_host_check(model_dir,
     assert [(tag, why) for tag, why, _, _ in reports] == [("HOST_BACKUP_K_FULL",
                                                            "verify_real_kv_hash")], reports
     assert reports[0][2] == 1              # the device slot of A's position 0 (slot 0: padding)
+
+
+def test_loaded_pages_freed_while_in_use_are_reported_and_the_request_aborted(model_dir, tmp_path):
+    """The device pages of a load back put on the free list while the tree and the request use
+    them (the class of #1618): the next allocation writes another request's records there, the
+    step that reads them reports those slots, and a request reading them is aborted. As with the
+    real bug, sglang-jax's idle memory check then finds the pages counted twice and ends the
+    server: the sequence stops at the first request it no longer answers."""
+    replies = []
+    with hicache_server(model_dir, tmp_path, "revive", "--kv-canary", "abort",
+                        "--kv-canary-inject", "hicache_revive_free",
+                        "--kv-canary-inject-step", "1") as srv:
+        for name, n in SEQUENCE:
+            try:
+                replies.append(srv.post("/generate", {
+                    "input_ids": prompt_ids(name, n),
+                    "sampling_params": {"max_new_tokens": 8, "temperature": 0}}))
+            except OSError:                       # the server ended (its memory check)
+                break
+        injected = srv.injected()
+        assert injected is not None and injected[0] == "hicache_revive_free", srv.log_tail()
+        freed = {int(p) for p in re.search(r"device pages \[([\d, ]+)\]", srv.log())
+                 .group(1).split(",")}            # page size 1: the pages are the slots
+        reports = srv.reports()
+        log = srv.log()
+    assert reports and {slot for _, _, slot, _ in reports} <= freed, reports
+    assert any("verify_position" in why.split("+") for _, why, _, _ in reports), reports
+    aborted = [r for r in replies if r["meta_info"]["finish_reason"]["type"] == "abort"]
+    assert aborted and all("kv-canary: request aborted" in
+                           r["meta_info"]["finish_reason"]["message"] for r in aborted), replies
+    assert re.search(r"kv-canary: aborting request rid=\S+ at step \d+", log)

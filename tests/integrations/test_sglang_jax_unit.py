@@ -196,7 +196,8 @@ def test_refusals_name_the_setting_and_the_fix():
     got = refusals(server_args(), log, InjectSpec("future_token_ring_wrap"))
     assert got and "add --kv-canary-write-input-assert" in got[0]
     assert refusals(server_args(hicache_storage="none"), log) == []   # the host tier: guarded
-    for kind in ("hicache_reload_swap", "hicache_stale_page", "hicache_host_flip"):
+    for kind in ("hicache_reload_swap", "hicache_stale_page", "hicache_host_flip",
+                 "hicache_revive_free"):
         got = refusals(server_args(), log, InjectSpec(kind))
         assert got and "add --hicache-storage none" in got[0]
         assert refusals(server_args(hicache_storage="none"), log, InjectSpec(kind)) == []

@@ -40,6 +40,13 @@ own structures once, at the first batch from the ``N``-th on that has a target, 
   ``HOST_BACKUP_K_FULL`` (the host check, logged at once) naming the device slot
   the page was copied from; if the page is loaded back later, also at TAIL in the step that reads
   it.
+- ``hicache_revive_free`` (HiCache): the device pages of the first load back of two or more
+  pages put back on the allocator's free list right after the load, while the radix tree and the
+  request that asked for them still use them (the class of sglang-jax #1618, where the slots a
+  revived node adopted were freed): the next allocations write other KV and records there;
+  ``verify_position`` (and chain, fingerprint) on those slots in the step that reads the prefix.
+  As with the real bug, sglang-jax's own idle-time memory check then finds the pages counted
+  twice and ends the server at its first idle moment.
 
 - ``pd_zero_slot`` (PD decode server): the first transferred request with two or more prompt
   tokens has its position-1 slot of layer 0's KV left all zeros after the engine writes the
@@ -75,7 +82,8 @@ SCHEDULER_KINDS = ("req_to_token_swap", "slot_double_free", "real_kv_unused_cach
 FORWARD_KINDS = ("real_kv_used", "wrong_position", "cache_loc_off_by_one",
                  "future_token_ring_wrap")
 #: kinds planted in the HiCache host pool's copies (need --hicache-storage none)
-HICACHE_KINDS = ("hicache_reload_swap", "hicache_stale_page", "hicache_host_flip")
+HICACHE_KINDS = ("hicache_reload_swap", "hicache_stale_page", "hicache_host_flip",
+                 "hicache_revive_free")
 #: kinds planted in a PD decode server's receive (need --disaggregation-mode decode)
 PD_KINDS = ("pd_zero_slot", "pd_page_shift", "pd_early_reuse")
 KINDS = SCHEDULER_KINDS + FORWARD_KINDS + HICACHE_KINDS + PD_KINDS
@@ -141,6 +149,16 @@ def _zero_slot(layout, slot: int) -> None:
     layout.set_kv0(jax.device_put(arr, kv0.sharding))
 
 
+def _free_in_use(alloc, pages) -> None:
+    """Put ``pages`` (page ids; slots at page size 1) back at the head of the allocator's free
+    list while they are in use. As many free entries are dropped from its tail, so that the free
+    count stays what sglang-jax's own idle-time memory check expects (else it ends the server)."""
+    attr = "free_slots" if getattr(alloc, "free_slots", None) is not None else "free_pages"
+    free = getattr(alloc, attr)[0]
+    getattr(alloc, attr)[0] = np.concatenate([np.asarray(pages, free.dtype),
+                                              free[:len(free) - len(pages)]])
+
+
 def _replace(array, values):
     return jax.device_put(np.asarray(values, dtype=array.dtype), array.sharding)
 
@@ -194,16 +212,7 @@ class FaultInjector:
             for req, n in _running(batch):
                 if n >= 3:
                     slot = int(rtt[req.req_pool_idx, 0])
-                    # the last free entry is dropped so that the free count stays what
-                    # sglang-jax's own idle-time memory check expects (else it ends the server)
-                    if getattr(alloc, "free_slots", None) is not None:
-                        free = alloc.free_slots[0]
-                        alloc.free_slots[0] = np.concatenate(
-                            [np.array([slot], free.dtype), free[:-1]])
-                    else:
-                        free = alloc.free_pages[0]
-                        alloc.free_pages[0] = np.concatenate(
-                            [np.array([slot // alloc.page_size], free.dtype), free[:-1]])
+                    _free_in_use(alloc, [slot // int(getattr(alloc, "page_size", 1))])
                     self._log(step, f"slot {slot} (position 0 of request {req.rid}, in the prefix "
                                     "cache) put back at the head of the free list")
                     return
@@ -296,6 +305,21 @@ class FaultInjector:
                 return flush_load(ids[:1] + ids[2:], pages[:1] + pages[2:])
 
             pool.flush_load = flush_load_damaged
+        elif self.spec.kind == "hicache_revive_free":
+            flush_load = pool.flush_load
+
+            def flush_load_freed(host_buffer_ids, device_indices):
+                out = flush_load(host_buffer_ids, device_indices)
+                step = self.canary.launches
+                pages = [int(p) for p in device_indices]
+                if self.done or step < self.spec.step or len(pages) < 2:
+                    return out
+                _free_in_use(self.scheduler.token_to_kv_pool_allocator, pages)
+                self._log(step, f"device pages {pages} of a load back put on the free list "
+                                "while the radix tree serves them")
+                return out
+
+            pool.flush_load = flush_load_freed
         else:
             flush_backup = pool.flush_backup
 
