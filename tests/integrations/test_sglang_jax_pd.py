@@ -93,6 +93,7 @@ def test_kv_damaged_in_a_transfer_is_reported_on_the_decode_side(model_dir, stoc
     assert injected is not None and injected[0] == kind, log[-3000:]
     assert reports and {(tag, why) for tag, why, _, _ in reports} <= {
         ("TAIL_K_FULL", "verify_real_kv_hash"), ("TAIL_V_FULL", "verify_real_kv_hash")}, reports
+    assert min(pumped for *_, pumped in reports) <= injected[1] + 2, (injected, reports)
     rid = re.search(r"of request (\w+)", log[log.index("kv-canary: injected"):]).group(1)
     damaged, = [k for k, r in enumerate(replies) if r["meta_info"]["id"] == rid]
     if mode == "log":

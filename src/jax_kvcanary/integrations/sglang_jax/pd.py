@@ -27,29 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ...runtime.offload import RECORD_BYTES
+from ...runtime.config import endpoint_of
+from ...runtime.offload import RECORD_BYTES, export_state_records, import_state_records
 
 #: what the canary wraps on sglang-jax main's PD scheduler (its mixins' methods)
 PREFILL_NEEDS = ("_extract_req_kv", "req_to_token_pool", "token_to_kv_pool_allocator")
 DECODE_NEEDS = ("_build_kv_spec_for_req", "_install_received_kv", "token_to_kv_pool_allocator")
-
-
-@jax.jit
-def _export(canaries: dict, slots):
-    return jnp.concatenate([jnp.take(canaries[n][:, :RECORD_BYTES], slots, axis=0)
-                            for n in sorted(canaries)], axis=1)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _import(canaries: dict, slots, records):
-    n = slots.shape[0]
-    out = {}
-    for k, name in enumerate(sorted(canaries)):
-        c = canaries[name]
-        target = jnp.where(slots >= 0, slots, c.shape[0])             # padding: dropped
-        out[name] = c.at[target, :RECORD_BYTES].set(
-            records[:n, k * RECORD_BYTES:(k + 1) * RECORD_BYTES], mode="drop")
-    return out
 
 
 class TransferRecords:
@@ -76,6 +59,11 @@ class TransferRecords:
         self.sharding = NamedSharding(canary.runner.mesh, PartitionSpec())
         self.requests = self.slots = 0
 
+    def _by_group(self, slots: np.ndarray) -> dict:
+        """``slots`` for every group of the canary state (sglang-jax's MHA pool: ``FULL``)."""
+        slots = jax.device_put(slots, self.sharding)
+        return {endpoint_of(n)[2]: slots for n in self.canary.state.canaries}
+
     def install(self) -> "TransferRecords":
         s = self.scheduler
         if self.role == "prefill":
@@ -100,7 +88,8 @@ class TransferRecords:
         slots = (ids[:, None] * ps + np.arange(ps)).reshape(-1).astype(np.int32)
         c = self.canary
         with c._monitor_lock:
-            records = _export(c.state.canaries, jax.device_put(slots, self.sharding))
+            records, _ = export_state_records(c.state, self._by_group(slots))
+        records = jnp.concatenate([records[n] for n in sorted(records)], axis=1)
         self.requests += 1
         self.slots += len(req.origin_input_ids)
         return list(layers) + [jax.device_put(records, self.sharding)]
@@ -119,11 +108,12 @@ class TransferRecords:
         seqlen = len(req.origin_input_ids)
         slots = np.full(int(records.shape[0]), -1, np.int32)
         slots[:seqlen] = np.asarray(kv_indices)[:seqlen]
+        names = sorted(self.canary.state.canaries)
+        records = {n: records[:, k * RECORD_BYTES:(k + 1) * RECORD_BYTES]
+                   for k, n in enumerate(names)}
         c = self.canary
         with c._monitor_lock:
-            canaries = _import(dict(c.state.canaries), jax.device_put(slots, self.sharding),
-                               records)
-            c.state = c.state.replace(canaries=canaries)
+            c.state, _ = import_state_records(c.state, self._by_group(slots), records)
         self.requests += 1
         self.slots += seqlen
 
