@@ -7,6 +7,13 @@ HiCache's load back and PD's KV receive write whole pages into a layer's fused K
 JAX scatter with the kernel's contract (token ``i`` of ``fused_kv`` goes to slot ``loc[i]`` of the
 paged buffer; ``loc == -1`` is padding and writes nothing).
 
+``ragged_paged_attention_reference`` replaces the ``fa`` attention backend's Pallas kernel
+(``ragged_paged_attention_v3``, which neither runs on the CPU nor in Pallas' interpret mode there),
+and ``keep_fa_on_cpu`` stops the model runner from switching ``--attention-backend fa`` back to
+``native`` on the CPU, so that the backend TPU users run (its page-aligned page tables, its metadata
+and the fused KV buffer layout) serves here: plain JAX with the kernel's contract, causal attention
+only (no custom or tree mask, attention sink or temperature).
+
 ``own_page_table_buffers`` makes ``ScheduleBatch._merge_cache_loc`` return a copy of each step's
 page table instead of a view of sglang-jax's one persistent host buffer
 (``ReqToTokenPool.cache_loc_host_buf``). On the CPU, JAX aliases such a numpy array instead of
@@ -43,6 +50,93 @@ def fused_kv_scatter(fused_kv, loc, kv_cache, page_size, kv_partition_axis="tens
     return jax.lax.reshape(rows, kv_cache.shape, out_sharding=paged)
 
 
+def ragged_paged_attention_reference(queries, keys, values, kv_cache_fused, kv_lens, page_indices,
+                                     cu_q_lens, cu_kv_lens, distribution, custom_mask=None,
+                                     attention_sink=None, *, causal=1, sm_scale=1.0,
+                                     sliding_window=None, soft_cap=None, xai_temperature_len=None,
+                                     softmax_dtype=None, **_block_sizes):
+    """``(attention output [T, q_heads, head_dim], kv_cache_fused)``: the new tokens' K/V written
+    into the paged, head-interleaved fused buffer (``[pages, page_size, heads2 // packing,
+    packing, head_dim_128]``), then causal attention of each token over its sequence's KV.
+
+    Sequence ``i`` (``i < distribution[2]``) has the queries ``cu_q_lens[i]:cu_q_lens[i + 1]``, the
+    KV length ``kv_lens[i]`` (its new tokens are the last positions) and its pages at
+    ``page_indices[cu_kv_lens[i] // page_size:]`` (``cu_kv_lens`` counts page-aligned lengths).
+    """
+    if not causal or custom_mask is not None or attention_sink is not None \
+            or xai_temperature_len is not None:
+        raise NotImplementedError("kv-canary test stand-in: causal attention only (no custom "
+                                  "mask, attention sink or temperature)")
+    num_tokens, q_heads, dim = queries.shape
+    kv_heads = keys.shape[1]
+    pages, ps, packed, packing, hd = kv_cache_fused.shape
+    num_seqs, batch = distribution[2], kv_lens.shape[0]
+    cu_q, cu_kv = cu_q_lens.astype(jnp.int32), cu_kv_lens.astype(jnp.int32)
+
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(cu_q[1:batch + 1], t, side="right"), batch - 1)
+    valid = t < cu_q[num_seqs]
+    pos = kv_lens[seq] - (cu_q[seq + 1] - cu_q[seq]) + (t - cu_q[seq])     # position in its seq
+    last_page = page_indices.shape[0] - 1
+
+    def slots(flat):                       # flat index into the page-aligned token list -> slot
+        return page_indices[jnp.clip(flat // ps, 0, last_page)] * ps + flat % ps
+
+    # write: [K0, V0, K1, V1, ...] per token, heads and head_dim padded as the buffer is
+    rows = jnp.concatenate([keys, values], axis=-1).reshape(num_tokens, 2 * kv_heads, dim)
+    rows = jnp.pad(rows, ((0, 0), (0, packed * packing - 2 * kv_heads), (0, hd - dim)))
+    cache = kv_cache_fused.reshape(pages * ps, packed, packing, hd)
+    target = jnp.where(valid, slots(cu_kv[seq] + pos), pages * ps)          # padding: dropped
+    cache = cache.at[target].set(rows.reshape(num_tokens, packed, packing, hd)
+                                 .astype(cache.dtype), mode="drop")
+
+    # attend: every token of the flat list, masked to the token's own sequence, causal
+    flat = jnp.arange((last_page + 1) * ps, dtype=jnp.int32)
+    kv = cache[slots(flat)].reshape(flat.shape[0], packed * packing, hd)[:, :2 * kv_heads, :dim]
+    k, v = kv[:, 0::2], kv[:, 1::2]
+    q = queries.reshape(num_tokens, kv_heads, q_heads // kv_heads, dim)
+    scores = jnp.einsum("tkgd,jkd->tkgj", q, k, preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    kv_pos = flat[None, :] - cu_kv[seq][:, None]
+    allowed = (kv_pos >= 0) & (kv_pos <= pos[:, None]) & valid[:, None]
+    if sliding_window is not None:
+        allowed &= pos[:, None] - sliding_window < kv_pos
+    scores = jnp.where(allowed[:, None, None, :], scores, -jnp.inf)
+    if softmax_dtype is not None:
+        scores = scores.astype(softmax_dtype)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(valid[:, None, None, None], probs, 0).astype(jnp.float32)
+    out = jnp.einsum("tkgj,jkd->tkgd", probs, v.astype(jnp.float32))
+    return (out.reshape(num_tokens, q_heads, dim).astype(queries.dtype),
+            cache.reshape(kv_cache_fused.shape))
+
+
+def keep_fa_on_cpu() -> None:
+    """``--attention-backend fa`` stays ``fa`` on the CPU (sglang-jax's model runner switches it
+    to ``native`` there, since its kernel cannot run): with ``ragged_paged_attention_reference``."""
+    from sgl_jax.srt.layers.attention import flashattention_backend
+    from sgl_jax.srt.model_executor.model_runner import ModelRunner
+
+    flashattention_backend.ragged_paged_attention_v3 = ragged_paged_attention_reference
+    pick = ModelRunner._get_attention_backend
+    if getattr(pick, "keeps_fa", False):
+        return
+
+    def get_attention_backend(self):
+        args = self.server_args
+        if args.device != "cpu" or args.attention_backend != "fa":
+            return pick(self)
+        args.device = "cpu (fa kept by the test stand-in)"
+        try:
+            return pick(self)
+        finally:
+            args.device = "cpu"
+
+    get_attention_backend.keeps_fa = True
+    ModelRunner._get_attention_backend = get_attention_backend
+
+
 def own_page_table_buffers() -> None:
     """Every step's ``cache_loc`` host array a copy of its own (see the module docstring)."""
     from sgl_jax.srt.managers.schedule_batch import ScheduleBatch
@@ -65,4 +159,5 @@ def install() -> None:
     from sgl_jax.srt.mem_cache import memory_pool
 
     memory_pool.update_fused_kv_cache_vectorized = fused_kv_scatter
+    keep_fa_on_cpu()
     own_page_table_buffers()
