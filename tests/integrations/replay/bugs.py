@@ -19,6 +19,10 @@ STAND_INS = "tests.support.launch_with_stand_ins"
 HICACHE_SEQUENCE = (("A", 60), ("A", 60), ("C", 60), ("B", 440), ("D", 60), ("D", 60), ("A", 60),
                     ("B", 440), ("D", 60), ("A", 60), ("B", 440), ("C", 60), ("A", 60))
 
+#: PD, one at a time: prompts longer than a prefill chunk (256 tokens: two chunks each) among
+#: short ones, a row reused by a later long prompt
+PD_SEQUENCE = (("P", 400), ("Q", 60), ("R", 300), ("P", 400), ("S", 500), ("Q", 60), ("T", 200))
+
 #: the write-input assert and the token check
 TOKEN_FLAGS = ("--kv-canary-write-input-assert", "--kv-canary-token-check")
 
@@ -54,6 +58,8 @@ class Bug:
       workload: what the replay sends.
       launcher: the module that starts the server (the kv-canary launcher, or the same with the
         CPU stand-ins of sglang-jax's TPU-only kernels for features that need them).
+      pd: a PD setup instead of one server (prefill and decode engines both with
+        ``engine_args`` and the canary, requests through the router).
     """
 
     key: str
@@ -64,6 +70,7 @@ class Bug:
     canary_args: Tuple[str, ...] = TOKEN_FLAGS
     workload: Workload = Workload()
     launcher: str = LAUNCHER
+    pd: bool = False
 
 
 BUGS: Dict[str, Bug] = {b.key: b for b in (
@@ -88,4 +95,10 @@ BUGS: Dict[str, Bug] = {b.key: b for b in (
                     precompile_token_paddings=("64", "512"), hicache_storage="none",
                     hicache_ratio="8"),
         workload=Workload(new_tokens=8, sequence=HICACHE_SEQUENCE), launcher=STAND_INS),
+    Bug("1366", "PR #1366 (d2ef476a, in 1c03ee49; symptom in PR #1386)",
+        "PD prefill sends a chunked prompt's KV after its first chunk: decode gets stale pages",
+        "1366-pd-prefill-sends-first-chunk.patch",
+        engine_args(page_size="128", disable_radix_cache=(), chunked_prefill_size="256",
+                    precompile_token_paddings="256"),
+        workload=Workload(new_tokens=8, sequence=PD_SEQUENCE), launcher=STAND_INS, pd=True),
 )}

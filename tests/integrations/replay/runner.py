@@ -15,12 +15,15 @@ For a ``bugs.Bug``:
    violation row and no abort.
 
 Servers are the launcher's (``tests.support.sglang_server.Server``) on 127.0.0.1, stopped by their
-process group; the load is two busy processes, stopped the same way, each bounded in time.
+process group; a PD bug runs a whole PD setup instead (``tests.support.pd_cluster``: prefill and
+decode servers guarded alike, requests through its router, both logs read). The load is two busy
+processes, stopped the same way, each bounded in time.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -33,6 +36,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from tests.support.pd_cluster import PDCluster
 from tests.support.sglang_server import LAUNCHER, Server
 
 from . import builds
@@ -197,15 +201,33 @@ class PhaseResult:
         return sum(self.kinds.get(rid) == "right" for rid in set(self.named_rids))
 
 
+@contextlib.contextmanager
+def serving(model_dir: str, engine_args: Sequence[str], args: Sequence[str], log_dir: str,
+            name: str, env: dict, launcher: str = LAUNCHER, pd: bool = False):
+    """The server of one run, ``(client, logs, died)``: the ``Server`` that takes the requests,
+    a function giving the logs of the guarded processes, and one saying whether any of them
+    ended. ``pd``: a PD setup, ``args`` on both engines."""
+    if pd:
+        with PDCluster(model_dir, log_dir, args, args, name=name, env=env,
+                       engine_args=engine_args) as cluster:
+            yield (cluster.router, cluster.logs,
+                   lambda: any(s.proc.poll() is not None for s in (cluster.prefill,
+                                                                    cluster.decode)))
+        return
+    with Server(["--model-path", model_dir, *engine_args, *args],
+                os.path.join(log_dir, f"{name}.log"), env=env, module=launcher) as srv:
+        yield srv, lambda: [srv.log()], lambda: srv.proc.poll() is not None
+
+
 def reference_answers(model_dir: str, engine_args: Sequence[str], workload: Workload,
                       phases: Sequence[bool], workdir: str, log_dir: str,
                       fixtures: Sequence[str] = builds.FIXTURES,
-                      launcher: str = LAUNCHER) -> Dict[str, list]:
+                      launcher: str = LAUNCHER, pd: bool = False) -> Dict[str, list]:
     """The stock answers of the build with ``fixtures`` (the fixed build) to every prompt of the
     phases, one at a time (cached in ``workdir`` by build, engine arguments and workload), by
     ``prompt_key``."""
     key = json.dumps([list(fixtures), list(engine_args), dataclasses.asdict(workload),
-                      list(phases), launcher])
+                      list(phases), launcher, pd])
     path = os.path.join(workdir, f"reference-{hashlib.sha1(key.encode()).hexdigest()[:10]}.json")
     if os.path.exists(path):
         with open(path) as f:
@@ -214,10 +236,8 @@ def reference_answers(model_dir: str, engine_args: Sequence[str], workload: Work
             return cached["answers"]
     build = builds.make_build(workdir, (), fixtures)
     answers = {}
-    args = ["--model-path", model_dir, *engine_args, "--kv-canary", "none",
-            "--disable-overlap-schedule"]
-    with Server(args, os.path.join(log_dir, "reference.log"), env=build.env,
-                module=launcher) as srv:
+    with serving(model_dir, engine_args, ["--kv-canary", "none", "--disable-overlap-schedule"],
+                 log_dir, "reference", build.env, launcher, pd) as (srv, _, _):
         for seed, _ in enumerate(phases):
             for texts in workload.phase_prompts(seed):
                 for t in texts:
@@ -231,16 +251,15 @@ def reference_answers(model_dir: str, engine_args: Sequence[str], workload: Work
 def run_server(build: builds.Build, label: str, mode: str, model_dir: str,
                engine_args: Sequence[str], canary_args: Sequence[str], workload: Workload,
                phases: Sequence[bool], reference: Dict[str, list], log_dir: str,
-               launcher: str = LAUNCHER) -> List[PhaseResult]:
-    """One guarded server of ``build`` in ``mode``; one ``PhaseResult`` per phase (``phases``:
-    whether each runs under ``CpuLoad``)."""
-    args = ["--model-path", model_dir, *engine_args, "--kv-canary", mode, *canary_args]
-    log_path = os.path.join(log_dir, f"{label}-{mode}.log")
+               launcher: str = LAUNCHER, pd: bool = False) -> List[PhaseResult]:
+    """One guarded server (or PD setup) of ``build`` in ``mode``; one ``PhaseResult`` per phase
+    (``phases``: whether each runs under ``CpuLoad``)."""
     results = []
-    with Server(args, log_path, env=build.env, module=launcher) as srv:
+    with serving(model_dir, engine_args, ["--kv-canary", mode, *canary_args], log_dir,
+                 f"{label}-{mode}", build.env, launcher, pd) as (srv, logs, died):
         for seed, loaded in enumerate(phases):
             res = PhaseResult(label, mode, loaded)
-            start = len(srv.log())
+            start = [len(text) for text in logs()]
             with (CpuLoad() if loaded else _Nothing()):
                 for texts in workload.phase_prompts(seed):
                     for text, reply in zip(texts, burst(srv, texts, workload.new_tokens)):
@@ -251,13 +270,13 @@ def run_server(build: builds.Build, label: str, mode: str, model_dir: str,
                             res.kinds[reply["meta_info"]["id"]] = kind
             # idle: the last readbacks are decoded and the episodes end with their row counts
             time.sleep(3.0)
-            log = srv.log()[start:]
+            log = "".join(text[at:] for text, at in zip(logs(), start))
             named = NAMED_RE.findall(log)
             res.named_rids = [rid for rid, _ in named]
             res.first_step = min((int(s) for _, s in named), default=None)
             res.rows = sum(int(n) for n in ROWS_RE.findall(log))
             res.aborts = len(ABORT_RE.findall(log))
-            res.server_died = srv.proc.poll() is not None or "Traceback" in log
+            res.server_died = died() or "Traceback" in log
             results.append(res)
     return results
 
@@ -276,7 +295,7 @@ def run_bug(bug, model_dir: str, workdir: str, log_dir: str, phases: Sequence[bo
     workload = bug.workload if bursts is None else dataclasses.replace(bug.workload, bursts=bursts)
     os.makedirs(log_dir, exist_ok=True)
     reference = reference_answers(model_dir, bug.engine_args, workload, phases, workdir, log_dir,
-                                  launcher=bug.launcher)
+                                  launcher=bug.launcher, pd=bug.pd)
     bug_build = builds.make_build(workdir, (bug.patch,))
     fixed = builds.make_build(workdir, ())
     out = {"bug": bug.key, "phases": []}
@@ -284,7 +303,7 @@ def run_bug(bug, model_dir: str, workdir: str, log_dir: str, phases: Sequence[bo
                                (fixed, "fixed", "abort")):
         for res in run_server(build, f"{bug.key}-{label}", mode, model_dir, bug.engine_args,
                               bug.canary_args, workload, phases, reference, log_dir,
-                              launcher=bug.launcher):
+                              launcher=bug.launcher, pd=bug.pd):
             res.build = label
             out["phases"].append(res)
     return out
