@@ -115,6 +115,7 @@ def test_hicache_with_tensor_parallelism(model_dir, stock, tmp_path):
 
 @pytest.mark.parametrize("kind,pages_re,mode", [
     ("hicache_reload_swap", r"each other's device pages \((\d+), (\d+)\)", "log"),
+    ("hicache_reload_swap", r"each other's device pages \((\d+), (\d+)\)", "abort"),
     ("hicache_stale_page", r"device page (\d+) keeps its old KV", "abort")])
 def test_a_load_back_that_misplaces_or_skips_a_page_is_reported(model_dir, tmp_path, kind,
                                                                 pages_re, mode):

@@ -74,8 +74,8 @@ def test_pd_is_guarded_with_the_stock_tokens(model_dir, stock, tmp_path):
     assert sent[("slots", "prefill")] == received[("slots", "decode")] > len(PROMPTS)
 
 
-@pytest.mark.parametrize("kind,mode", [("pd_zero_slot", "log"), ("pd_page_shift", "abort"),
-                                       ("pd_early_reuse", "abort")])
+@pytest.mark.parametrize("kind,mode", [("pd_zero_slot", "log"), ("pd_zero_slot", "abort"),
+                                       ("pd_page_shift", "abort"), ("pd_early_reuse", "abort")])
 def test_kv_damaged_in_a_transfer_is_reported_on_the_decode_side(model_dir, stock, tmp_path,
                                                                  kind, mode):
     """A slot left zero (SGLang #38586), the KV written one page off, or an earlier transfer landing
