@@ -184,3 +184,22 @@ def test_smoke_run_writes_every_output(tmp_path):
     assert "## Per-op throughput" in md and "## Scenario matrix" in md and "on/off" in md
     assert "## Host check of an offloaded copy vs memcpy" in md
     assert "python -m bench --smoke" in (tmp_path / "README_snippet.md").read_text()
+
+
+def test_step_profile_charges_each_sample_to_the_innermost_canary_or_engine_frame():
+    from bench.canary_step_profile import aggregate
+
+    sched = 'process 1:"launcher";process 2:"sglang::scheduler";thread (2): MainThread'
+    engine_call = (f"{sched};run (sgl_jax/srt/managers/scheduler.py:10);"
+                   "SglangJaxCanary._run_model (jax_kvcanary/integrations/sglang_jax/canary.py:530);"
+                   "ModelRunner.initialize_jit.<locals>.run_model_wrapper (model_runner.py:361);"
+                   "cache_miss (jax/_src/pjit.py:300) 7")
+    canary_dispatch = (f"{sched};run (sgl_jax/srt/managers/scheduler.py:10);"
+                       "SglangJaxCanary._run_model (jax_kvcanary/integrations/sglang_jax/canary.py:544);"
+                       "cache_miss (jax/_src/pjit.py:300) 3")
+    other = 'process 3:"detokenizer";thread (3): MainThread;loop (sgl_jax/x.py:1) 50'
+    cut_short = f"{sched};run (sgl_jax/srt/managers/scheduler.py:10);(logging/__init__.py:16);"
+    threads, canary = aggregate("\n".join([engine_call, canary_dispatch, other, cut_short]))
+    assert dict(threads) == {"thread (2): MainThread": {"engine": 7, "canary": 3}}
+    assert dict(canary) == {
+        "jax_kvcanary/integrations/sglang_jax/canary.py:SglangJaxCanary._run_model": 3}

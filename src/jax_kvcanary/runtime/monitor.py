@@ -154,6 +154,7 @@ class Monitor:
         self._pending = collections.deque()   # (snapshot array, monitor step), oldest first
         self._state = None          # last state passed in (its ring is read on a counter move)
         self._watermark = None      # int64[D]: ring rows reported since the last ring reset
+        self._marks = None          # the same as Python ints (the per-step check reads these)
         self._recycled = None       # int64[D]: write_index values cleared by ring resets
         self.host_total = 0         # rows given to report_rows
         self.rows_lost = 0          # rows the full ring could not keep (counted, never decoded)
@@ -247,14 +248,18 @@ class Monitor:
             return
         wi = self._watermark              # the write_index of the last launch, every row decoded
         self._recycled = wi if self._recycled is None else self._recycled + wi
-        self._watermark = np.zeros_like(wi)
+        self._set_watermark(np.zeros_like(wi))
         if self.counters is not None:
             self.counters = dataclasses.replace(self.counters, write_index=np.zeros_like(wi))
 
     @property
     def ring_has_rows(self) -> bool:
         """Whether rows were recorded since the ring was last reset (decoded or lost)."""
-        return self._watermark is not None and bool(np.any(self._watermark > 0))
+        return self._marks is not None and any(m > 0 for m in self._marks)
+
+    def _set_watermark(self, marks: np.ndarray) -> None:
+        self._watermark = marks
+        self._marks = tuple(int(m) for m in marks)
 
     def close_episodes(self) -> None:
         """End the open episodes (``EpisodeLog``), logging each one's summary line."""
@@ -282,15 +287,19 @@ class Monitor:
         host = np.asarray(snap)
         if not full and not self.health.due(snap_step) and not any(
                 n and snap_step % n == 0 for n in (self.stats_interval, self.counters_interval)):
-            wi = np.ascontiguousarray(host.reshape(-1, host.shape[-1])[:, :4]).view("<i4")
-            if self._watermark is not None and np.all(wi[:, 0] <= self._watermark):
+            # every step: only each device's write_index (its first 4 bytes), in plain Python
+            # (numpy's calls on arrays this small cost more than the comparison)
+            per_device = host.reshape(-1, host.shape[-1])
+            if self._marks is not None and all(
+                    int.from_bytes(per_device[d, :4].tobytes(), "little", signed=True) <= mark
+                    for d, mark in enumerate(self._marks)):
                 return []
         counters = CounterSnapshot.decode(host, num_tags)
         self.counters = counters
         multi = log.write_index.ndim == 2
         ndev = counters.write_index.shape[0]
         if self._watermark is None:
-            self._watermark = np.zeros((ndev,), np.int64)
+            self._set_watermark(np.zeros((ndev,), np.int64))
         cap = int(log.ring.shape[-2])
         wi = counters.write_index.astype(np.int64)
         ends = np.clip(wi, 0, cap)
@@ -311,7 +320,7 @@ class Monitor:
                                          device=d if multi else None)
                     new.append(Violation(row, text, self.steps, i, total, cap, d if multi else None,
                                          snap_step))
-        self._watermark = np.maximum(self._watermark, np.maximum(wi, 0))
+        self._set_watermark(np.maximum(self._watermark, np.maximum(wi, 0)))
         self._emit(new)
         self.health.observe(snap_step, counters.kernel_runs)
         if self.stats_interval and snap_step % self.stats_interval == 0:
