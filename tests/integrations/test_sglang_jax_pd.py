@@ -74,8 +74,8 @@ def test_pd_is_guarded_with_the_stock_tokens(model_dir, stock, tmp_path):
     assert sent[("slots", "prefill")] == received[("slots", "decode")] > len(PROMPTS)
 
 
-@pytest.mark.parametrize("kind,mode", [("pd_zero_slot", "log"), ("pd_zero_slot", "abort"),
-                                       ("pd_page_shift", "abort"), ("pd_early_reuse", "abort")])
+@pytest.mark.parametrize("kind,mode", [("pd_zero_slot", "abort"), ("pd_page_shift", "abort"),
+                                       ("pd_early_reuse", "log")])
 def test_kv_damaged_in_a_transfer_is_reported_on_the_decode_side(model_dir, stock, tmp_path,
                                                                  kind, mode):
     """A slot left zero (SGLang #38586), the KV written one page off, or an earlier transfer landing
@@ -108,3 +108,19 @@ def test_kv_damaged_in_a_transfer_is_reported_on_the_decode_side(model_dir, stoc
     assert [r["output_ids"] for k, r in enumerate(replies) if k != damaged] == \
         [ids for k, ids in enumerate(stock) if k != damaged]
     assert "Traceback" not in log
+
+
+def test_a_decode_server_whose_prefill_peer_has_no_canary_aborts_and_serves_on(model_dir,
+                                                                                tmp_path):
+    """A guarded decode server behind a prefill server without the canary: the pull brings no
+    records and fails; the canary's wrapper raises before the engine writes anything (a
+    ``kv-canary:`` line saying why), the engine releases the request and aborts it, and the decode
+    server stays up: no request is served from an unchecked prompt, and none takes it down."""
+    with PDCluster(model_dir, tmp_path, ["--kv-canary", "none"], ["--kv-canary", "log"],
+                   name="mixed") as pd:
+        replies = run_prompts(pd)
+        alive = pd.decode.proc.poll() is None and pd.decode.get("/health") is not None
+        log = pd.decode.log()
+    assert alive
+    assert [r["meta_info"]["finish_reason"]["type"] for r in replies] == ["abort"] * len(PROMPTS)
+    assert log.count("kv-canary: the KV pulled for request") == len(PROMPTS), log[-3000:]

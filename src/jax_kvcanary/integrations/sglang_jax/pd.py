@@ -14,8 +14,10 @@ pull, as one more array beside the layers (format.md §14.1):
   that read the prompt verify the transferred prefix like any other: a page written to the wrong
   slots, or KV damaged or lost in transit, reports there (position, chain, fingerprint).
 
-Both sides must run the canary (the launcher on each); a decode server whose peer sent no records
-fails the pull's shape check, loudly, rather than serving an unchecked prefix.
+Both sides must run the canary (the launcher on each). A decode server whose prefill peer sent
+no records (a peer without the canary) sees the pull fail: the wrapper raises before the engine
+writes anything, with a ``kv-canary:`` message, and the engine's own handler of a failed install
+releases the request's slots and aborts it; the server serves on.
 """
 
 from __future__ import annotations
@@ -104,6 +106,13 @@ class TransferRecords:
     def _install_received_kv(self, original, req, kv_indices, kv):
         kv = list(kv)
         records = kv.pop()
+        try:                          # a failed pull fails here, before anything is written
+            records.block_until_ready()
+        except Exception as e:
+            raise RuntimeError(
+                f"kv-canary: the KV pulled for request {req.rid} came without its canary records "
+                f"({type(e).__name__}: {e}); is the prefill server running the launcher with the "
+                "canary too? The request is not served from an unchecked prompt") from e
         original(req, kv_indices, kv)
         seqlen = len(req.origin_input_ids)
         slots = np.full(int(records.shape[0]), -1, np.int32)
