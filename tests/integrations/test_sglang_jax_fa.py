@@ -83,12 +83,10 @@ def test_fa_is_guarded_with_the_stock_tokens(model_dir, native, tmp_path, page_s
     assert got == native
 
 
-@pytest.mark.parametrize("kind,page_size,mode", [("real_kv_used", 4, "abort"),
-                                                 ("req_to_token_swap", 1, "log")])
+@pytest.mark.parametrize("kind,page_size,mode", [("real_kv_used", 4, "abort")])
 def test_faults_on_fa_are_reported(model_dir, tmp_path, kind, page_size, mode):
-    """A flipped KV byte (abort: the request that reads it ends with the canary's abort) and two
-    swapped page-table entries (log: the request is named), on ``fa``: reported within two
-    steps of the fault."""
+    """A flipped KV byte on ``fa`` (page size 4): reported within two steps of the fault, and the
+    request that reads it ends with the canary's abort (mode log names it instead)."""
     with server(model_dir, tmp_path, "fa", page_size, "--kv-canary", mode,
                 "--kv-canary-inject", kind, "--kv-canary-inject-step", "3",
                 name=f"{kind}-{page_size}") as srv:
