@@ -132,21 +132,22 @@ def _running(batch):
     return out
 
 
-def _flip_byte(layout, slot: int) -> None:
-    """XOR the first byte of ``slot``'s token row (K head 0) of layer 0's KV with 0xFF."""
+def _edit_kv0_row(layout, slot: int, edit) -> None:
+    """Apply ``edit`` to ``slot``'s token row of layer 0's KV, as bytes (every K and V head)."""
     kv0 = layout.kv0()
     arr = np.array(kv0)
-    rows = arr.reshape(layout.geometry.num_slots, -1).view(np.uint8)
-    rows[slot, 0] ^= 0xFF
+    edit(arr.reshape(layout.geometry.num_slots, -1).view(np.uint8)[slot])
     layout.set_kv0(jax.device_put(arr, kv0.sharding))
+
+
+def _flip_byte(layout, slot: int) -> None:
+    """XOR the first byte of ``slot``'s token row (K head 0) of layer 0's KV with 0xFF."""
+    _edit_kv0_row(layout, slot, lambda row: row.__setitem__(0, row[0] ^ 0xFF))
 
 
 def _zero_slot(layout, slot: int) -> None:
     """Zero ``slot``'s token row of layer 0's KV (every K and V head)."""
-    kv0 = layout.kv0()
-    arr = np.array(kv0)
-    arr.reshape(layout.geometry.num_slots, -1)[slot] = 0
-    layout.set_kv0(jax.device_put(arr, kv0.sharding))
+    _edit_kv0_row(layout, slot, lambda row: row.fill(0))
 
 
 def _free_in_use(alloc, pages) -> None:
