@@ -78,7 +78,7 @@ struct PlanCall {
   Array rpi, prefix, extend, r2t, lut, pool, valid_lens, row_starts;                        // operands
   Array slots, tokens, positions, prevs, num_valid, enable, offsets, seeds, num_valid_reqs;  // results
   int64_t window = 0, token_offset = 0;
-  bool has_lut = false, has_pool = false, has_row_starts = false;
+  bool has_lut = false, has_pool = false, has_row_starts = false, report_evicted = false;
 };
 
 struct ScatterCall {
@@ -233,6 +233,7 @@ inline std::string check_plan(const PlanCall& c) {
     if (k.ok()) k.require(c.lut.dim0 >= 1, "full_to_swa_index_mapping length must be >= 1, got 0");
   }
   k.require(c.has_lut || c.window <= 0, "a window > 0 needs full_to_swa_index_mapping (has_lut)");
+  k.require(c.has_lut || !c.report_evicted, "report_evicted needs full_to_swa_index_mapping (has_lut)");
   if (c.window < 0) k.fail("window must be >= 0, got " + N::num(c.window));
   if (c.token_offset < INT32_MIN || c.token_offset > INT32_MAX)
     k.fail("token_offset must fit in int32, got " + N::num(c.token_offset));
@@ -344,6 +345,7 @@ inline PlanArgs plan_args(const PlanCall& c) {
   a.valid_lens = index_view(c.valid_lens);
   a.window = c.window;
   a.token_offset = c.token_offset;
+  a.report_evicted = c.report_evicted;
   return a;
 }
 

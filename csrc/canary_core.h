@@ -623,6 +623,7 @@ struct PlanArgs {
   IndexView valid_lens;  // [bs]
   int64_t window;        // swa_window_size
   int64_t token_offset;  // kv_token_id_vs_position_offset
+  bool report_evicted;   // a live slot the LUT maps to 0 gets -1 (reported), not 0 (skipped)
 };
 
 struct PlanRow {
@@ -679,7 +680,9 @@ KVC_HD PlanRow plan_row(const PlanArgs& a, int64_t r) {
 KVC_HD PlanEntry plan_entry(const PlanArgs& a, const PlanRow& row, int64_t r, int64_t j) {
   const int64_t pos = add_wrap(row.window_start, j);
   PlanEntry e;
-  e.slot = plan_translate(a, plan_rt(a, r, row.rp, pos));
+  const int64_t full = plan_rt(a, r, row.rp, pos);
+  e.slot = plan_translate(a, full);
+  if (a.report_evicted && e.slot == 0 && full > 0) e.slot = -1;  // evicted while attention reads it
   e.prev = pos > 0 ? plan_translate(a, plan_rt(a, r, row.rp, sub_wrap(pos, 1))) : -1;
   e.token = plan_pool_token(a, r, row.rp, add_wrap(pos, a.token_offset));
   e.position = pos;

@@ -37,7 +37,7 @@ struct WriteAttrs : RealKvAttrSpans {
 };
 struct PlanAttrs {
   int64_t window = 0, token_offset = 0;
-  bool has_lut = false, has_pool = false, has_row_starts = false;
+  bool has_lut = false, has_pool = false, has_row_starts = false, report_evicted = false;
 };
 
 // ---- decoding --------------------------------------------------------------------------------------
@@ -78,7 +78,8 @@ struct AttrSchema<PlanAttrs> {
   static constexpr auto fields = std::make_tuple(
       attr_field("window", &PlanAttrs::window), attr_field("token_offset", &PlanAttrs::token_offset),
       attr_field("has_lut", &PlanAttrs::has_lut), attr_field("has_pool", &PlanAttrs::has_pool),
-      attr_field("has_row_starts", &PlanAttrs::has_row_starts));
+      attr_field("has_row_starts", &PlanAttrs::has_row_starts),
+      attr_field("report_evicted", &PlanAttrs::report_evicted));
 };
 
 template <class S>

@@ -266,7 +266,8 @@ ffi::Error write_handler(typename P::Ctx ctx, U8Array canary, U8Array ring, I32S
 //               row_starts)
 //   -> (slot_indices, expected_tokens, expected_positions, prev_slot_indices, num_valid, enable,
 //       offsets, seed_slot_indices, num_valid_reqs[, scratch on CUDA])   all int32 but scratch
-//   attrs (PlanAttrs): window:i64, token_offset:i64, has_lut:bool, has_pool:bool, has_row_starts:bool
+//   attrs (PlanAttrs): window:i64, token_offset:i64, has_lut:bool, has_pool:bool, has_row_starts:bool,
+//                      report_evicted:bool
 template <class P>
 auto plan_binding() {
   return ffi::Ffi::Bind()
@@ -304,7 +305,7 @@ ffi::Error plan_handler(typename P::Ctx ctx, ffi::AnyBuffer rpi, ffi::AnyBuffer 
                    array_of(*num_valid), array_of(*enable),    array_of(*offsets),  array_of(*seeds),
                    array_of(*num_valid_reqs),
                    attrs.window,         attrs.token_offset,   attrs.has_lut,       attrs.has_pool,
-                   attrs.has_row_starts};
+                   attrs.has_row_starts, attrs.report_evicted};
   if (const std::string e = check_plan(c); !e.empty()) return refused(e);
   return P::plan(ctx, plan_args(c), c.rpi.dim0, c.slots.elements, c.seeds.elements, plan_out(c), scratch_view(extra));
 }

@@ -66,6 +66,7 @@ def test_raise_mode_exits_non_zero():
     ("real_kv_unused_cache", "full", "SWEEP_K_FULL", "verify_real_kv_hash", 1),
     ("real_kv_post_forward", "swa", "TAIL_K_SWA", "verify_real_kv_hash", 2),
     ("next_token_swap", "full", "HEAD_K_FULL", "write_token", 2),
+    ("swa_evicted_in_window", "swa", "HEAD_K_SWA", "index_out_of_range", 1),
 ])
 def test_each_inject_kind_is_detected(capsys, kind, group, tag, reason, lag):
     rc = demo.main(["--inject", kind, "--inject-group", group, "--steps", "20",

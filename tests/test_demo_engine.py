@@ -88,6 +88,18 @@ def test_real_kv_flips(kind, group, tag):
                v.reasons == ("verify_real_kv_hash",) for v in vs)
 
 
+def test_swa_evicted_in_window():
+    eng, fstep, fault, vs = run_fault("swa_evicted_in_window", "SWA")
+    first = [v for v in vs if v.step == fstep + 1]
+    assert {v.tag for v in first} == {int(t) for t in fault.expected_tags}
+    # one out-of-range row per watched SWA tag: slot -1 at the evicted position; the only other
+    # rows are the writes of the token after it, whose chain seed is now slot 0
+    assert {(v.slot, v.position, v.reasons) for v in first if v.slot == -1} == {
+        (-1, fault.position, ("index_out_of_range",))}
+    assert all(v.slot == -1 or (v.position, v.reasons) == (fault.position + 1, ("write_position",))
+               for v in first)
+
+
 def test_next_token_swap():
     eng, fstep, fault, vs = run_fault("next_token_swap")
     assert {v.step for v in vs} == {fstep + 2}

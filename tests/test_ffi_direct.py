@@ -68,10 +68,11 @@ def write(canary=(64, 32), ring=(16, 64), chain=i32(1), offsets=i32(3), seeds=i3
 
 def plan(rpi=i32(2), prefix=i32(2), extend=i32(2), r2t=i32(4, 8), lut=i32(0), pool=i32(0, 0),
          valid_lens=i32(0), row_starts=i32(0), vcap=8, wcap=2, offsets_len=None, window=0,
-         token_offset=0, has_lut=False, has_pool=False, has_row_starts=False, attrs=None):
+         token_offset=0, has_lut=False, has_pool=False, has_row_starts=False, report_evicted=False, attrs=None):
     if attrs is None:
         attrs = dict(window=np.int64(window), token_offset=np.int64(token_offset), has_lut=np.bool_(has_lut),
-                     has_pool=np.bool_(has_pool), has_row_starts=np.bool_(has_row_starts))
+                     has_pool=np.bool_(has_pool), has_row_starts=np.bool_(has_row_starts),
+                     report_evicted=np.bool_(report_evicted))
     outs = (sds(i32(vcap)),) * 4 + (sds(i32(1)),) * 2 + (
         sds(i32(wcap + 1 if offsets_len is None else offsets_len)), sds(i32(wcap)), sds(i32(1)),
         sds(u8(0)))
@@ -141,6 +142,7 @@ BAD = [
     ("plan", dict(has_lut=True), "kvcanary_plan: full_to_swa_index_mapping length must be >= 1, got 0"),
     ("plan", dict(window=4), "kvcanary_plan: a window > 0 needs full_to_swa_index_mapping (has_lut)"),
     ("plan", dict(window=-1), "kvcanary_plan: window must be >= 0, got -1"),
+    ("plan", dict(report_evicted=True), "kvcanary_plan: report_evicted needs full_to_swa_index_mapping (has_lut)"),
     ("plan", dict(token_offset=2**40), "kvcanary_plan: token_offset must fit in int32"),
     ("plan", dict(rpi=jnp.zeros(2, jnp.float32)), "kvcanary_plan: req_pool_indices must have dtype int32 or int64"),
     ("scatter", dict(offsets=i32(2)), "kvcanary_scatter: offsets length must be 3, got 2"),
@@ -204,6 +206,6 @@ def test_attributes_of_another_name_count_or_type_are_refused(change, message):
 def test_plan_attributes_of_the_wrong_type_are_refused():
     # (2, not 0 or 1: jax's cache takes np.int64(1) for the np.bool_(True) another case passed)
     attrs = dict(window=np.int64(0), token_offset=np.int64(0), has_lut=np.int64(2), has_pool=np.bool_(False),
-                 has_row_starts=np.bool_(False))
+                 has_row_starts=np.bool_(False), report_evicted=np.bool_(False))
     with pytest.raises(Exception, match=re.escape("Wrong scalar data type: expected PRED but got S64")):
         jax.block_until_ready(plan(attrs=attrs))

@@ -186,7 +186,7 @@ WRITE_CLASSES = {
 PLAN_CLASSES = {
     "p_pool": dict(bs=4, R=4, L=8, Vc=12, Wc=5, W=0, lut=0, pool=(4, 6), koff=0),
     "p_swa_lut": dict(bs=3, R=3, L=6, Vc=8, Wc=3, W=3, lut=20, pool=(3, 9), koff=1),
-    "p_lut_nowin": dict(bs=5, R=6, L=5, Vc=30, Wc=6, W=0, lut=7, pool=None, koff=-1),
+    "p_lut_nowin": dict(bs=5, R=6, L=5, Vc=30, Wc=6, W=0, lut=7, pool=None, koff=-1, evicted=True),
     "p_empty_table": dict(bs=2, R=2, L=0, Vc=4, Wc=2, W=0, lut=0, pool=(0, 3), koff=0),
 }
 
@@ -194,7 +194,8 @@ PLAN_CLASSES = {
 # the pool rows), L the prefix lengths.
 PLAN_FLAT_CLASSES = {
     "f_plain": dict(bs=4, R=4, L=8, N=24, Vc=16, Wc=5, W=0, lut=0, pool=None, koff=0),
-    "f_swa_lut_pool": dict(bs=3, R=3, L=8, N=20, Vc=10, Wc=4, W=3, lut=20, pool=(3, 9), koff=1),
+    "f_swa_lut_pool": dict(bs=3, R=3, L=8, N=20, Vc=10, Wc=4, W=3, lut=20, pool=(3, 9), koff=1,
+                           evicted=True),
     "f_empty_table": dict(bs=2, R=2, L=4, N=0, Vc=4, Wc=2, W=0, lut=0, pool=(2, 3), koff=0),
 }
 
@@ -298,7 +299,8 @@ def plan_case(cls, seed):
 
 
 def plan_optional_kwargs(g, c, bs, S):
-    """The LUT and token-pool arguments of a plan case of class ``c`` (drawn in this order)."""
+    """The LUT and token-pool arguments of a plan case of class ``c`` (drawn in this order), and
+    the class's ``report_evicted_in_window``."""
     kwargs = {}
     if c["lut"]:
         kwargs["full_to_swa_index_mapping"] = g.idx(
@@ -309,6 +311,8 @@ def plan_optional_kwargs(g, c, bs, S):
             [g.int(-1, 1000) if g.p(0.85) else g.pick(-1, 5) for _ in range(Rp * Cp)]).reshape(Rp, Cp)
         kwargs["req_to_verify_expected_tokens_valid_lens"] = g.idx(
             [g.int(0, Cp) if g.p(0.6) else g.pick(-1, Cp + 2) for _ in range(bs)])
+    if c.get("evicted"):
+        kwargs["report_evicted_in_window"] = True
     return kwargs
 
 
@@ -360,7 +364,8 @@ MAKERS = {"verify": (VERIFY_CLASSES, verify_case), "write": (WRITE_CLASSES, writ
           "plan_row_starts": (PLAN_FLAT_CLASSES, plan_flat_case)}
 OP_OF = {"plan_row_starts": "plan"}  # a MAKERS key that is not an op name: the op it runs
 STATIC = {"tag", "check_verify_expected_token", "real_kv_hash_mode", "enable_write_input_assert",
-          "verify_capacity", "write_req_capacity", "swa_window_size", "kv_token_id_vs_position_offset"}
+          "verify_capacity", "write_req_capacity", "swa_window_size", "kv_token_id_vs_position_offset",
+          "report_evicted_in_window"}
 
 
 # ---- running and comparing -----------------------------------------------------------------------

@@ -147,6 +147,41 @@ def test_plan_swa_sum(ops):
                offsets=[0, 1, 2, 3, 4], seeds=[2097, 4223, 6343, 3071], nvr=4, Vc=1024)
 
 
+def evicted_case(ops, report):
+    """Row 1 (P 6, window [2, 6)): the LUT maps full slot 19 (position 3) to 0, and slot 17
+    (position 1, the first entry's prev, outside the window) too; row 2 (P 3): its table holds the
+    padding slot 0 at position 1, which stays 0 (skipped) either way."""
+    rt = np.arange(4)[:, None] * 16 + np.arange(16)[None, :]
+    rt[2, 1] = 0
+    lut = np.arange(65) + 100
+    lut[[0, 17, 19]] = 0
+    return do_plan(ops, [1, 2], [6, 3], [1, 1], rt=arr(rt), swa_window_size=4,
+                   full_to_swa_index_mapping=arr(lut), report_evicted_in_window=report)
+
+
+@pytest.mark.parametrize("report", [False, True])
+def test_plan_evicted_in_window(ops, report):
+    vp, wp = evicted_case(ops, report)
+    check_plan(vp, wp, slots=[118, -1 if report else 0, 120, 121, 132, 0, 134],
+               poss=[2, 3, 4, 5, 0, 1, 2], prevs=[0, 118, 0, 120, -1, 132, 0], num_valid=7,
+               offsets=[0, 1, 2, 0, 0], seeds=[121, 134, 0, 0], nvr=2)
+
+
+def test_plan_evicted_in_window_is_reported_by_verify(ops):
+    vp, _ = evicted_case(ops, True)
+    log = ops.verify(canary_with(140), kvc.ViolationLog.create(16), vp, tag=8)
+    assert [r for r in rows(log) if r[7] == 64] == [[8, -1, 3, -1, -1, 3, 140, 64]]
+
+
+def test_plan_evicted_in_window_needs_a_lut():
+    with pytest.raises(ValueError, match="report_evicted_in_window=True requires full_to_swa"):
+        kvc.plan(arr([1]), arr([3]), arr([1]), table(), verify_capacity=8, write_req_capacity=1,
+                 report_evicted_in_window=True)
+    with pytest.raises(TypeError, match="report_evicted_in_window must be a static bool"):
+        kvc.plan(arr([1]), arr([3]), arr([1]), table(), verify_capacity=8, write_req_capacity=1,
+                 full_to_swa_index_mapping=arr(np.arange(64)), report_evicted_in_window="yes")
+
+
 def test_plan_prefix_past_row(ops):
     vp, wp = do_plan(ops, [1], [20], [1])
     check_plan(vp, wp, slots=list(range(16, 32)) + [-1] * 4, poss=list(range(20)),

@@ -79,3 +79,16 @@ def test_swap_next_tokens_and_matching():
     assert not f.matches(V())
     with pytest.raises(ValueError, match="two different tokens"):
         perturb.swap_next_tokens(np.array([1, 1]), 0, 1)
+
+
+def test_evict_swa_in_window():
+    lut = np.arange(10, dtype=np.int32) + 20
+    new, f = perturb.evict_swa_in_window(lut, 4, 7, halves=("K",))
+    assert new[4] == 0 and lut[4] == 24 and (new != lut).sum() == 1
+    assert (f.kind, f.group, f.slot, f.position) == ("swa_evicted_in_window", "SWA", -1, 7)
+    assert f.changed == "full_to_swa_index_mapping[4]: 24 -> 0"
+    assert f.expected_tags == (T.HEAD_K_SWA, T.TAIL_K_SWA)
+    assert f.expected_reasons == (FailReason.INDEX_OUT_OF_RANGE,)
+    assert int(perturb.evict_swa_in_window(jnp.asarray(lut), 4, 7)[0][4]) == 0
+    with pytest.raises(ValueError, match="already maps to 0"):
+        perturb.evict_swa_in_window(new, 4, 7)

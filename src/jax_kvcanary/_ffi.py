@@ -248,7 +248,8 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag, 
 
 def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify_capacity, write_req_capacity,
          swa_window_size, full_to_swa_index_mapping, req_to_verify_expected_tokens,
-         req_to_verify_expected_tokens_valid_lens, kv_token_id_vs_position_offset, row_starts):
+         req_to_verify_expected_tokens_valid_lens, kv_token_id_vs_position_offset, row_starts,
+         report_evicted_in_window=False):
     """Native plan. Returns fresh int32 ``(VerifyPlan, WritePlan)``."""
     has_lut = full_to_swa_index_mapping is not None
     has_pool = req_to_verify_expected_tokens is not None
@@ -265,7 +266,8 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
         PLAN_TARGET, (i32(vc), i32(vc), i32(vc), i32(vc), i32(1), i32(1), i32(wc + 1), i32(wc), i32(1)),
         (req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, lut, pool, valid_lens, starts),
         dict(window=np.int64(swa_window_size), token_offset=np.int64(kv_token_id_vs_position_offset),
-             has_lut=np.bool_(has_lut), has_pool=np.bool_(has_pool), has_row_starts=np.bool_(has_row_starts)),
+             has_lut=np.bool_(has_lut), has_pool=np.bool_(has_pool), has_row_starts=np.bool_(has_row_starts),
+             report_evicted=np.bool_(report_evicted_in_window)),
         scratch=("plan_scratch_bytes", bs))
     return (VerifyPlan(slots, tokens, positions, prevs, num_valid, enable),
             WritePlan(offsets, seeds, num_valid_reqs))

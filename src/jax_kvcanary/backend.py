@@ -36,7 +36,8 @@ IMPL_ENV = "JAX_KVCANARY_IMPL"
 STATIC = {
     "verify": ("tag", "check_verify_expected_token", "real_kv_hash_mode"),
     "write": ("tag", "enable_write_input_assert", "real_kv_hash_mode"),
-    "plan": ("verify_capacity", "write_req_capacity", "swa_window_size", "kv_token_id_vs_position_offset"),
+    "plan": ("verify_capacity", "write_req_capacity", "swa_window_size", "kv_token_id_vs_position_offset",
+             "report_evicted_in_window"),
     "scatter_req_token_ids": (),
 }
 

@@ -157,7 +157,7 @@ def plan(req_pool_indices: jax.Array, prefix_lens: jax.Array, extend_seq_lens: j
          req_to_verify_expected_tokens: Optional[jax.Array] = None,
          req_to_verify_expected_tokens_valid_lens: Optional[jax.Array] = None,
          kv_token_id_vs_position_offset: int = 0, row_starts: Optional[jax.Array] = None,
-         impl: Impl = None) -> tuple[VerifyPlan, WritePlan]:
+         report_evicted_in_window: bool = False, impl: Impl = None) -> tuple[VerifyPlan, WritePlan]:
     """Turn the batch metadata of a step into its verify and write work lists (docs/format.md §9).
 
     Every live batch row (``req_pool_indices != 0``) verifies its prefix (positions
@@ -189,6 +189,10 @@ def plan(req_pool_indices: jax.Array, prefix_lens: jax.Array, extend_seq_lens: j
         EAGLE draft pools). Static.
       row_starts: int32/int64 ``[bs]``, where each batch row's segment starts in the flat
         ``req_to_token``, or None (the default: ``req_to_token`` is the 2-D table).
+      report_evicted_in_window: a verify entry whose table slot is live (``> 0``) but which the
+        LUT maps to 0 (evicted from the SWA pool while the window still reads it) gets slot -1,
+        which verify reports (a ``VERIFY_SLOT`` row), instead of 0, which verify skips. Needs
+        ``full_to_swa_index_mapping``. Static; default False (upstream's rule).
       impl: ``"ffi"``, ``"xla"`` or None (see ``verify``).
 
     Returns:
@@ -204,6 +208,10 @@ def plan(req_pool_indices: jax.Array, prefix_lens: jax.Array, extend_seq_lens: j
     if window > 0 and full_to_swa_index_mapping is None:
         raise ValueError("kv-canary: launch_canary_plan_kernels requires full_to_swa_index_mapping when "
                          "swa_window_size > 0")
+    report_evicted = checks.static_bool(report_evicted_in_window, "report_evicted_in_window")
+    if report_evicted and full_to_swa_index_mapping is None:
+        raise ValueError("kv-canary: report_evicted_in_window=True requires "
+                         "full_to_swa_index_mapping, got None")
     choice = backend.resolve(impl, req_to_token)
     vcap = checks.capacity(verify_capacity, "verify_capacity", "VerifyPlan verify_capacity")
     wcap = checks.capacity(write_req_capacity, "write_req_capacity", "WritePlan write_req_capacity")
@@ -237,7 +245,8 @@ def plan(req_pool_indices: jax.Array, prefix_lens: jax.Array, extend_seq_lens: j
         req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, verify_capacity=vcap,
         write_req_capacity=wcap, swa_window_size=window, full_to_swa_index_mapping=full_to_swa_index_mapping,
         req_to_verify_expected_tokens=pool, req_to_verify_expected_tokens_valid_lens=valid_lens,
-        kv_token_id_vs_position_offset=offset, row_starts=row_starts)
+        kv_token_id_vs_position_offset=offset, row_starts=row_starts,
+        report_evicted_in_window=report_evicted)
     if pool is None:
         vp = VerifyPlan(*(getattr(vp, f) for f in VerifyPlan._FIELDS), has_expected_tokens=False)
     return vp, wp

@@ -300,7 +300,7 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *,
          verify_capacity, write_req_capacity,
          swa_window_size=0, full_to_swa_index_mapping=None,
          req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
-         kv_token_id_vs_position_offset=0, row_starts=None):
+         kv_token_id_vs_position_offset=0, row_starts=None, report_evicted_in_window=False):
     """Turn batch metadata into a (VerifyPlan, WritePlan) (§9.3). Every output element is defined
     (tails zero, §9.2); values are narrowed to int32 by their low 32 bits. With ``row_starts``,
     ``req_to_token`` is the flat page table and batch row r reads it at ``row_starts[r] + pos``."""
@@ -354,7 +354,11 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *,
                 if len(slots) >= total:
                     break
                 pos = _w64(ws[r] + j)
-                slots.append(T(rt(r, rp, pos)))
+                full = rt(r, rp, pos)
+                slot = T(full)
+                if report_evicted_in_window and slot == 0 and full > 0:
+                    slot = -1  # evicted while the window still reads it: reported, not skipped
+                slots.append(slot)
                 prevs.append(T(rt(r, rp, pos - 1)) if pos > 0 else -1)  # SWA does not reset the chain
                 toks.append(pool_tok(r, rp, _w64(pos + koff)))
                 poss.append(pos)

@@ -654,7 +654,7 @@ def write(canary, log, write_plan, input_ids, positions, out_cache_loc, *, tag: 
 def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify_capacity: int,
          write_req_capacity: int, swa_window_size: int, full_to_swa_index_mapping,
          req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
-         kv_token_id_vs_position_offset: int, row_starts=None):
+         kv_token_id_vs_position_offset: int, row_starts=None, report_evicted_in_window=False):
     x64 = U.x64_enabled()
     D = jnp.int64 if x64 else I32
     dmax = 2**63 - 1 if x64 else INT32_MAX
@@ -754,7 +754,10 @@ def plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *, verify
     rpr = rp[r]
     sr = None if starts is None else starts[r]
     pos = ws[r] + j
-    slot = T(rt(sr, rpr, pos))
+    full = rt(sr, rpr, pos)
+    slot = T(full)
+    if report_evicted_in_window:                       # evicted while the window reads it: -1
+        slot = jnp.where((slot == 0) & (full > 0), -1, slot)
     prev = jnp.where(pos > 0, T(rt(sr, rpr, pos - 1)), -1)
     if pool is not None:
         Rp, Cp = (int(d) for d in pool.shape)

@@ -660,7 +660,7 @@ void fuzz_write(Rng& g) {
 // ======================================== PLAN ====================================================
 struct PlanCase {
   int64_t bs, vcap, wcap, R, L, lut_len, Rp, Cp, window, token_offset;
-  bool has_lut, has_pool;
+  bool has_lut, has_pool, report_evicted;
   Idx rpi, P, E, r2t, lut, pool, vl;
   bool has_rs = false;  // row_starts: the slots are read from the flat table [N] instead of r2t
   int64_t N = 0;
@@ -716,7 +716,8 @@ PlanExpect oracle_plan(const PlanCase& p) {  // §9.3, written out independently
     for (int64_t r = 0; r < p.bs && flat < total; ++r)
       for (int64_t j = 0; j < vlen[r] && flat < total; ++j, ++flat) {
         const int64_t rp = p.rpi.get(r), pos = wadd(ws[r], j);
-        x.slots[flat] = low32(T(rt(r, rp, pos)));
+        const int64_t full = rt(r, rp, pos), slot = T(full);
+        x.slots[flat] = low32(p.report_evicted && slot == 0 && full > 0 ? -1 : slot);
         x.prevs[flat] = low32(pos > 0 ? T(rt(r, rp, pos - 1)) : -1);
         x.toks[flat] = low32(pool_tok(r, rp, wadd(pos, p.token_offset)));
         x.poss[flat] = low32(pos);
@@ -739,6 +740,7 @@ void fuzz_plan(Rng& g) {
   if (p.window < 0) p.window = wsub(0, p.window) < 0 ? I64MAX : wsub(0, p.window);  // Python: >= 0
   p.has_lut = p.window > 0 || g.pct(15);
   p.lut_len = p.has_lut ? g.range(1, S + 3) : 0;
+  p.report_evicted = p.has_lut && g.pct(50);
   p.has_pool = g.pct(40);
   p.Rp = p.has_pool ? g.range(0, 5) : 0;
   p.Cp = p.has_pool ? g.range(0, 12) : 0;
@@ -790,7 +792,7 @@ void fuzz_plan(Rng& g) {
   }
   a.has_lut = p.has_lut, a.lut = p.lut.view(), a.lut_len = p.lut_len;
   a.has_pool = p.has_pool, a.pool = p.pool.view(), a.Rp = p.Rp, a.Cp = p.Cp, a.valid_lens = p.vl.view();
-  a.window = p.window, a.token_offset = p.token_offset;
+  a.window = p.window, a.token_offset = p.token_offset, a.report_evicted = p.report_evicted;
   Heap<int32_t> slots(p.vcap), toks(p.vcap), poss(p.vcap), prevs(p.vcap), nv(1), en(1), offsets(p.wcap + 1),
       seeds(p.wcap), nvr(1);
   for (Heap<int32_t>* h : {&slots, &toks, &poss, &prevs, &nv, &en, &offsets, &seeds, &nvr})
@@ -1165,6 +1167,7 @@ PlanCall valid_plan(Rng& g) {
   c.has_lut = g.pct(40);
   c.lut = index_array(g, c.has_lut ? g.range(1, 20) : 0);
   c.window = c.has_lut && g.pct(50) ? g.range(1, 6) : 0;
+  c.report_evicted = c.has_lut && g.pct(50);
   c.has_pool = g.pct(40);
   c.pool = c.has_pool ? described(g.pct(50) ? ElemType::S64 : ElemType::S32, 2, g.range(0, 5), g.range(0, 8)) : described(ElemType::S32, 2, 0, 0);
   c.valid_lens = index_array(g, c.has_pool ? bs : 0);
@@ -1185,6 +1188,7 @@ const Breaker<PlanCall> kPlanBreakers[] = {
     [](Rng&, PlanCall& c) { c.has_lut = true; c.lut = described(ElemType::S32, 1, 0); },
     [](Rng& g, PlanCall& c) { c.has_lut = false; c.window = g.range(1, 5); },
     [](Rng& g, PlanCall& c) { c.window = -g.range(1, 5); },
+    [](Rng& g, PlanCall& c) { c.has_lut = false; c.window = 0; c.lut = index_array(g, 0); c.report_evicted = true; },
     [](Rng& g, PlanCall& c) { c.token_offset = g.pct(50) ? int64_t(1) << 40 : int64_t(INT32_MIN) - 1; },
     [](Rng& g, PlanCall& c) { c.has_pool = true; c.pool = index_array(g, 4); c.valid_lens = index_array(g, c.rpi.dim0); },
     [](Rng& g, PlanCall& c) { c.has_pool = true; c.pool = described(ElemType::S32, 2, 2, 2); c.valid_lens = index_array(g, c.rpi.dim0 + 1); },
@@ -1286,6 +1290,7 @@ void random_plan(Rng& g, PlanCall& c) {
   c.has_lut = g.pct(50);
   c.has_pool = g.pct(50);
   c.has_row_starts = g.pct(50);
+  c.report_evicted = g.pct(50);
 }
 void random_scatter(Rng& g, ScatterCall& c) {
   for (Array* a : {&c.pool, &c.flat_ids, &c.offsets, &c.rpi, &c.result}) *a = random_array(g);

@@ -44,8 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--inject-step", type=int, default=None,
                    help="step at (or after) which to inject (default: steps // 2; 2 for the "
                         "reload faults reload_wrong_slot and transfer_byte_flip)")
-    p.add_argument("--inject-group", choices=("full", "swa"), default="full",
-                   help="attention group the fault targets (default full)")
+    p.add_argument("--inject-group", choices=("full", "swa"), default=None,
+                   help="attention group the fault targets (default full; swa for "
+                        "swa_evicted_in_window, which only the SWA group has)")
     p.add_argument("--inject-device", type=int, default=0, help="device whose KV is corrupted")
     p.add_argument("--mode", choices=("log", "raise"), default="log",
                    help="log: report and keep serving; raise: stop with CanaryViolationError")
@@ -73,6 +74,11 @@ def parse_args(argv=None):
         p.error(f"--inject {args.inject} is detected by the real-KV fingerprint: use --real-kv partial|all")
     if args.inject == "real_kv_unused_cache" and args.sweep_interval == 0:
         p.error("--inject real_kv_unused_cache is detected by a sweep: use --sweep-interval N > 0")
+    if args.inject_group is None:
+        args.inject_group = "swa" if args.inject == "swa_evicted_in_window" else "full"
+    if args.inject == "swa_evicted_in_window" and (args.inject_group != "swa" or args.no_swa):
+        p.error("--inject swa_evicted_in_window targets the SWA group: use --inject-group swa "
+                "(and the SWA layer, without --no-swa)")
     if args.inject_group == "swa" and args.no_swa:
         p.error("--inject-group swa needs the SWA layer (drop --no-swa)")
     if args.inject in perturb.OFFLOAD_KINDS and (not args.offload or args.inject_group != "full"):

@@ -1,7 +1,8 @@
 """Fault injection in the toy engine: finds a target for each kind and applies the pure
 functions of ``runtime.perturb`` at the point of the step that format.md §11 names.
 
-Phases: ``pre`` (before the step: req_to_token swap, real-KV flip on a used slot),
+Phases: ``pre`` (before the step: req_to_token swap, real-KV flip on a used slot, an SWA map
+entry zeroed inside a request's window),
 ``post_forward`` (after TAIL: flip on a slot just written), ``post_sample`` (next-token swap),
 ``pre_sweep`` (on a sweep step: flip on a cached slot no running request references), and with the
 offload tier ``offload`` (a byte of the host copy, before its check), ``transfer`` (a byte of a reload's
@@ -17,7 +18,8 @@ import numpy as np
 from ..runtime import perturb
 from ..runtime.transfer import unpack_transfer
 
-PHASES = {"req_to_token_swap": "pre", "real_kv_used": "pre", "real_kv_post_forward": "post_forward",
+PHASES = {"req_to_token_swap": "pre", "real_kv_used": "pre", "swa_evicted_in_window": "pre",
+          "real_kv_post_forward": "post_forward",
           "next_token_swap": "post_sample", "real_kv_unused_cache": "pre_sweep",
           "offload_byte_flip": "offload", "transfer_byte_flip": "transfer", "reload_wrong_slot": "reload"}
 
@@ -31,6 +33,8 @@ class FaultInjectorMixin:
             raise ValueError(f"unknown fault kind {kind!r}; choose from {perturb.KINDS + perturb.OFFLOAD_KINDS}")
         if group == "SWA" and not self.cfg.swa:
             raise ValueError("fault group SWA needs the SWA layer (swa=True)")
+        if kind == "swa_evicted_in_window" and group != "SWA":
+            raise ValueError("fault swa_evicted_in_window targets the SWA group (group='SWA')")
         if kind in perturb.OFFLOAD_KINDS and (not self.cfg.offload or group != "FULL"):
             raise ValueError(f"fault {kind} needs the offload tier (offload=True) and targets the FULL group")
         if self.mesh is None:
@@ -73,6 +77,14 @@ class FaultInjectorMixin:
                         self.req_to_token, r.rp, pos, new, groups=(group,),
                         halves=self.canary.halves)
                     b["req_to_token"] = self.req_to_token.copy()
+                    break
+        elif kind == "swa_evicted_in_window":    # the newest prefix position: inside every window
+            for r, p_len, _ in rows:
+                full = int(self.req_to_token[r.rp, p_len - 1]) if p_len > 0 else 0
+                if full and self.lut[full] != 0:
+                    self.lut, fault = perturb.evict_swa_in_window(
+                        self.lut, full, p_len - 1, halves=self.canary.halves)
+                    b["lut"] = self.lut.copy()
                     break
         else:  # real_kv_used
             for r, p_len, _ in rows:

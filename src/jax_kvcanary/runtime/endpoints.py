@@ -259,7 +259,8 @@ class CanaryEndpoints:
                     req_to_verify_expected_tokens=batch.token_pool if cfg.token_check else None,
                     req_to_verify_expected_tokens_valid_lens=(batch.token_valid_lens
                                                               if cfg.token_check else None),
-                    row_starts=batch.req_to_token_row_starts)
+                    row_starts=batch.req_to_token_row_starts,
+                    report_evicted_in_window=lut is not None)
 
             if batch.is_page_table:
                 # the write plan alone (a 1-entry verify capacity overflows, so no verify entry is

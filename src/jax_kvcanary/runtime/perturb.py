@@ -21,7 +21,7 @@ from .config import launch_tag
 from ..consts import fail_reason_label
 
 KINDS = ("req_to_token_swap", "real_kv_used", "real_kv_unused_cache", "real_kv_post_forward",
-         "next_token_swap")
+         "next_token_swap", "swa_evicted_in_window")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +93,27 @@ def swap_req_to_token(req_to_token, rp: int, position: int, new_slot: int, *,
     return table, Fault("req_to_token_swap", groups[0], int(new_slot), int(position),
                         f"req_to_token[{rp}, {position}]: {old} -> {int(new_slot)}", tags,
                         (FailReason.VERIFY_CHAIN_HASH_MISMATCH,))
+
+
+# -- SWA eviction inside the window ----------------------------------------------------------------
+def evict_swa_in_window(lut, full_slot: int, position: int, *, halves: Sequence[str] = ("K", "V")):
+    """Map full slot ``full_slot`` (position ``position`` of an active request, inside its sliding
+    window) to SWA slot 0 in the full-to-SWA ``lut``: the SWA pool no longer holds KV that
+    attention still reads (the early-eviction bug class). Detected by verify as an
+    ``index_out_of_range`` row with slot -1 at that position (the plan's
+    ``report_evicted_in_window``) on HEAD_* / TAIL_* of the SWA group.
+
+    ``lut``: int[S_full], numpy or jax. Returns ``(new_lut, Fault)``.
+    """
+    old = int(np.asarray(lut[full_slot]))
+    if old == 0:
+        raise ValueError(f"kv-canary: evict_swa_in_window needs a slot the SWA pool holds; full "
+                         f"slot {full_slot} already maps to 0")
+    tags = tuple(sorted(launch_tag(st, h, "SWA") for h in halves for st in ("HEAD", "TAIL")))
+    return _set(lut, full_slot, 0), Fault(
+        "swa_evicted_in_window", "SWA", -1, int(position),
+        f"full_to_swa_index_mapping[{full_slot}]: {old} -> 0", tags,
+        (FailReason.INDEX_OUT_OF_RANGE,))
 
 
 # -- real-KV byte flips -----------------------------------------------------------------------------
