@@ -92,21 +92,27 @@ _COMPILED = {}
 
 
 def _compiled_serving_step(impl):
-    """One compile of the donated serving step per backend, shared by the tests below."""
+    """One lowering and compile of the donated serving step per backend, shared by the tests below:
+    (lowered, compiled)."""
     if impl not in _COMPILED:
-        _COMPILED[impl] = jax.jit(serving_step(impl, _sources()), donate_argnums=(0, 1, 2)).lower(
-            *_step_args()).compile()
+        lowered = jax.jit(serving_step(impl, _sources()), donate_argnums=(0, 1, 2)).lower(*_step_args())
+        _COMPILED[impl] = lowered, lowered.compile()
     return _COMPILED[impl]
 
 
 def _hlo(fn, donate, args):
-    return jax.jit(fn, donate_argnums=donate).lower(*args).compile().as_text()
+    """(lowered StableHLO text, compiled HLO text) of ``fn`` jitted with ``donate``."""
+    lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
+    return lowered.as_text(), lowered.compile().as_text()
 
 
-def _check_module(impl, text, donated_leaves, n_params_before):
+def _check_module(impl, texts, donated_leaves, n_params_before):
+    """``n_params_before``: flat arguments before the donated ones (hoisted constants come first)."""
+    lowered_text, text = texts
     aliases = hlo.aliases(text)
     params = set(aliases.values())
-    want = set(range(n_params_before, n_params_before + len(donated_leaves)))
+    first = hlo.hoisted_constants(lowered_text) + n_params_before
+    want = set(range(first, first + len(donated_leaves)))
     assert want <= params, f"donated state params {sorted(want - params)} are not aliased: {aliases}"
     bad = hlo.state_copies(impl, text, donated_leaves)
     assert not bad, f"copies of state-shaped buffers in the donated step: {bad}"
@@ -115,10 +121,10 @@ def _check_module(impl, text, donated_leaves, n_params_before):
 @pytest.mark.parametrize("impl", BACKEND_PARAMS)
 def test_serving_step_aliases_all_state_and_copies_none(impl):
     args = _step_args()
-    text = _compiled_serving_step(impl).as_text()
+    lowered, compiled = _compiled_serving_step(impl)
     leaves = jax.tree_util.tree_leaves(args[:3])
     assert len(leaves) == 7  # head canary, 5 log arrays, tail canary
-    _check_module(impl, text, leaves, 0)
+    _check_module(impl, (lowered.as_text(), compiled.as_text()), leaves, 0)
 
 
 @pytest.mark.parametrize("impl", BACKEND_PARAMS)
@@ -162,7 +168,7 @@ def _run_donated(jitted, donate, args):
 
 @pytest.mark.parametrize("impl", BACKEND_PARAMS)
 def test_donated_serving_loop_runs_without_warnings(impl):
-    step = _compiled_serving_step(impl)
+    step = _compiled_serving_step(impl)[1]
     canary, log, tail, rpi, prefix, extend, ids, pos, loc = _step_args()
     table = np.asarray(_table())
     P = np.zeros(3, np.int64)

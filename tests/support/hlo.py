@@ -25,6 +25,17 @@ def aliases(text):
             for out, param in re.findall(r"\{([\d, ]*)\}: \((\d+), \{\}", m.group(1))}
 
 
+def hoisted_constants(lowered_text):
+    """How many parameters the entry computation has before the jitted function's own arguments:
+    from jax 0.12, closed-over arrays (e.g. a step's real-KV sources) are lowered as leading
+    ``jax.const`` parameters of ``main`` instead of literals, which shifts every argument's number."""
+    main = next(line for line in lowered_text.splitlines() if "func.func public @main(" in line)
+    args = re.split(r"%arg\d+: ", main.split(") -> ")[0])[1:]  # each: "tensor<...> {attributes}, "
+    consts = [i for i, arg in enumerate(args) if "jax.const = true" in arg]
+    assert consts == list(range(len(consts))), f"jax.const parameters not leading: {consts}"
+    return len(consts)
+
+
 def copies(text):
     """Shapes (e.g. 'u8[96,40]') of every copy instruction in the optimised module."""
     return [m.group(1) for m in re.finditer(r"= (\w+\[[\d,]*\])(?:\{[^}]*\})? copy(?:-start)?\(", text)]
