@@ -72,17 +72,21 @@ def test_the_pool_the_engine_builds_decides_the_refusal(tmp_path, kind, args, po
     assert refused == ([] if pool in pools.GUARDED else [pools.refusal(pool)])
 
 
-def test_a_hybrid_swa_model_is_refused_before_start(tmp_path):
-    """The defect this replaces: the server started, the install failed inside the scheduler with
-    a misleading message, and the server ran without the canary."""
+def test_a_hybrid_swa_model_with_what_its_guard_lacks_is_refused_before_start(tmp_path):
+    """The hybrid SWA pool is guarded with one device, the native backend and no sweeps; the rest
+    is refused before anything starts (it once started and ran without the canary)."""
     path = write_model_config(str(tmp_path / "gemma2"), "gemma2")
     r = subprocess.run([sys.executable, "-m", LAUNCHER, "--kv-canary", "log", "--model-path", path,
-                        "--device", "cpu", "--attention-backend", "native", "--port", "1"],
+                        "--device", "cpu", "--attention-backend", "fa", "--tp-size", "2",
+                        "--kv-canary-sweep-interval", "4", "--port", "1"],
                        capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("kv-canary:")]
-    assert r.returncode == 2 and lines == [pools.refusal("SWAKVPool")], r.stderr[-2000:]
-    assert "--disable-hybrid-swa-memory" in lines[0]
+    assert r.returncode == 2 and len(lines) == 3, r.stderr[-2000:]
+    for line, setting in zip(lines, ("--tp-size 2", "--attention-backend fa",
+                                     "--kv-canary-sweep-interval 4")):
+        assert line.startswith(f"kv-canary: {setting} with a hybrid SWA pool is not supported: ")
+    assert all(line.endswith("--disable-hybrid-swa-memory (one MHA pool)") for line in lines[:2])
 
 
 def test_a_pool_found_unguarded_in_the_scheduler_ends_the_server(caplog):
@@ -90,14 +94,14 @@ def test_a_pool_found_unguarded_in_the_scheduler_ends_the_server(caplog):
     raises (sglang-jax then ends the server) with the refusal in the log; it never serves
     unguarded."""
     runner = fake_runner(np.zeros((9, 1, 4, 1, 8), np.float32),
-                         token_to_kv_pool=kv_pool(np.zeros((9, 1, 4, 1, 8)), "SWAKVPool"))
+                         token_to_kv_pool=kv_pool(np.zeros((9, 1, 4, 1, 8)), "HybridLinearKVPool"))
     scheduler = types.SimpleNamespace(
         tp_worker=types.SimpleNamespace(get_model_runner=lambda: runner), tree_cache=None,
         server_args=types.SimpleNamespace(enable_metrics=False), token_to_kv_pool_allocator=None)
     with caplog.at_level(logging.ERROR), pytest.raises(server.GuardError) as e:
         server.attach(scheduler, server.Guard(CanaryConfig(mode="log")), precompile=False,
                       logger=logging.getLogger("kvc-test"))
-    assert str(e.value).startswith(pools.refusal("SWAKVPool"))
+    assert str(e.value).startswith(pools.refusal("HybridLinearKVPool"))
     assert "the server does not start without the canary" in str(e.value)
     assert str(e.value) in caplog.text
 

@@ -141,3 +141,26 @@ def test_named_batch_rows_follow_the_step_s_own_table():
     aligned = dict(arrays, cache_loc=np.array([1, 2, 3, 0, 2, 5, 6, 0]))
     got = named_batch_rows(rows[:2], aligned, decode=True, page_size=4, aligned=True)
     assert got == {1: [0], 0: [1]}
+
+
+def test_named_batch_rows_of_the_swa_group_follow_the_map_and_the_window():
+    """SWA rows name SWA slots (the step's full-to-SWA map), read in the last ``swa_window``
+    positions; an evicted-in-window row (slot -1, expected position p) names the requests whose
+    position p inside their window maps to 0, not one whose position p left its window."""
+    lut = np.zeros(16, np.int64)
+    lut[[1, 2, 3, 4, 7, 8]] = [11, 12, 13, 14, 17, 18]      # full 5 and 6 evicted
+    arrays = dict(req_pool_indices=np.array([1, 2]), seq_lens=np.array([4, 4]),
+                  cache_loc=np.array([1, 5, 3, 4, 6, 7, 8, 2]), out_cache_loc=np.array([4, 2]),
+                  positions=np.array([3, 3]), extend_seq_lens=None, swa_lut=lut)
+    row = lambda tag, slot, pos, bits, kind=0: np.array([tag, slot, pos, 0, 0, kind, 0, bits],
+                                                        np.int64)
+    HEAD_K_SWA, TAIL_K_FULL = 6, 2
+    rows = np.stack([
+        row(HEAD_K_SWA, -1, 1, 64, kind=3),  # position 1 of row 0 evicted inside its window (3)
+        row(HEAD_K_SWA, -1, 0, 64, kind=3),  # position 0 of row 1: evicted, outside its window
+        row(HEAD_K_SWA, 13, 2, 1),           # SWA slot 13 = full 3, position 2 of row 0
+        row(HEAD_K_SWA, 12, 3, 8),           # a write of SWA slot 12 (full 2) by row 1
+        row(TAIL_K_FULL, 13, 2, 1),          # a FULL row naming full slot 13: nobody
+    ])
+    got = named_batch_rows(rows, arrays, decode=True, page_size=1, aligned=False, swa_window=3)
+    assert got == {0: [0, 2], 1: [3]}

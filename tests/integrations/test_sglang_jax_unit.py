@@ -66,13 +66,13 @@ def test_install_none_installs_nothing_and_bad_runners_are_refused():
 
 @pytest.mark.parametrize("change, message", [
     (dict(dp_size=2), "supports dp_size=1 only"),
-    (dict(token_to_kv_pool=kv_pool(np.zeros((9, 1, 4, 1, 8)), "SWAKVPool")),
-     "^kv-canary: the KV pool SWAKVPool is not supported: .*--disable-hybrid-swa-memory"),
+    (dict(token_to_kv_pool=kv_pool(np.zeros((9, 1, 4, 1, 8)), "HybridLinearKVPool")),
+     "^kv-canary: the KV pool HybridLinearKVPool is not supported: .*run with --kv-canary none"),
     (dict(token_to_kv_pool=kv_pool(np.zeros((9, 1, 4, 1, 8)), "MLATokenToKVPool")),
      "^kv-canary: the KV pool MLATokenToKVPool is not supported: .*--attention-backend native"),
     (dict(token_to_kv_pool=kv_pool(np.zeros((9, 1, 4, 1, 8)), "PoolOfATomorrowVersion")),
      "^kv-canary: the KV pool PoolOfATomorrowVersion is not supported: the canary knows only "
-     "MHATokenToKVPool"),
+     "MHATokenToKVPool, SWAKVPool"),
     (dict(server_args=types.SimpleNamespace(attention_backend="fa_mha")),
      "attention backend 'fa_mha' is not supported"),
     (dict(memory_pools=types.SimpleNamespace(_pools={"token_to_kv_pool": 0, "recurrent": 0},

@@ -21,9 +21,25 @@ copying it to a device, so under the overlap scheduler the next batch's table ca
 the buffer before the previous step has read it (README, the ``cache-loc-alias`` twin; the replay
 builds carry the same change as a patch). HiCache's sequential requests hit it: a finished
 request's last overlapped step runs beside the next request's prefill.
+
+``serve_swa_pool_on_cpu`` lets the hybrid sliding-window pool (``SWAKVPool``: what Gemma2, Gemma4
+and MiMo-V2 models get unless ``--disable-hybrid-swa-memory`` is given) serve on the CPU, standing
+in for the TPU path, where the ``fa`` backend writes each layer's KV through the pool's
+``set_kv_buffer`` and reads the sliding layers' pages through ``swa_page_indices``. On the CPU the
+model runner picks the ``native`` backend, which writes through ``set_kv_buffer_legacy`` (only the
+single pools have it: the stock server dies at its precompile) and reads every layer at the
+batch's ``cache_loc``, full-pool slots, also for the sliding layers whose KV is in the SWA pool.
+The stand-in adds ``SWAKVPool.set_kv_buffer_legacy`` (a layer's write goes to its sub-pool, a
+sliding layer's slots translated through the full-to-SWA map) and gives the native backend's
+sliding layers a ``cache_loc`` translated the same way. sglang-jax's own translation
+(``SWAKVPool._remap_swa_loc``) fails to trace on the CPU ("Resource axis: data of P('data',) is not
+found in mesh: ()": the map, a host numpy array, has no mesh; the slots are sharded over ``data``);
+the stand-in's indexes a replicated map with replicated slots.
 """
 
 from __future__ import annotations
+
+import copy
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +168,56 @@ def own_page_table_buffers() -> None:
     ScheduleBatch._merge_cache_loc = merge_cache_loc_copy
 
 
+def swa_slots(pool, loc):
+    """``loc`` (full-pool slots; ``-1``: padding, kept) translated into ``pool``'s (an
+    ``SWAKVPool``) SWA sub-pool through its full-to-SWA map (inside the jitted step: the map is a
+    leaf of the pool). A slot whose SWA KV was freed (outside the window) maps to 0, the padding
+    slot that attention reads as empty."""
+    mapping = pool.full_to_swa_index_mapping
+    if mapping is None:
+        return loc
+    if isinstance(mapping, (list, tuple)):
+        raise NotImplementedError("kv-canary test stand-in: the SWA pool with one data-parallel "
+                                  "rank only")
+    replicated = NamedSharding(pool.full_kv_pool.mesh, PartitionSpec())
+    loc = jax.sharding.reshard(loc.astype(jnp.int32), replicated)
+    table = jax.sharding.reshard(jnp.asarray(mapping, jnp.int32), replicated)
+    return jnp.where(loc < 0, -1, table[jnp.clip(loc, 0, table.shape[0] - 1)])
+
+
+def serve_swa_pool_on_cpu() -> None:
+    """The hybrid sliding-window pool serves on the native backend (see the module docstring):
+    ``SWAKVPool.set_kv_buffer_legacy``, and the sliding layers' ``cache_loc`` in SWA slots."""
+    from sgl_jax.srt.layers.attention.native_backend import NativeAttention
+    from sgl_jax.srt.mem_cache.memory_pool import SWAKVPool
+
+    if not hasattr(SWAKVPool, "set_kv_buffer_legacy"):
+        def set_kv_buffer_legacy(self, layer_id, loc, cache_k, cache_v):
+            """The layer's updated fused buffer (5D) in its sub-pool: ``loc`` (full-pool slots)
+            translated into SWA slots for a sliding layer."""
+            index, is_swa = self.layers_mapping[layer_id]
+            if is_swa:
+                return self.swa_kv_pool.set_kv_buffer_legacy(index, swa_slots(self, loc),
+                                                              cache_k, cache_v)
+            return self.full_kv_pool.set_kv_buffer_legacy(index, loc, cache_k, cache_v)
+
+        SWAKVPool.set_kv_buffer_legacy = set_kv_buffer_legacy
+
+    attend = NativeAttention.__call__
+    if getattr(attend, "reads_swa_slots", False):
+        return
+
+    def call(self, q, k, v, layer, forward_batch, token_to_kv_pool, **kwargs):
+        if isinstance(token_to_kv_pool, SWAKVPool) \
+                and token_to_kv_pool.layers_mapping[layer.layer_id][1]:
+            forward_batch = copy.copy(forward_batch)
+            forward_batch.cache_loc = swa_slots(token_to_kv_pool, forward_batch.cache_loc)
+        return attend(self, q, k, v, layer, forward_batch, token_to_kv_pool, **kwargs)
+
+    call.reads_swa_slots = True
+    NativeAttention.__call__ = call
+
+
 def install() -> None:
     """Put the stand-ins in place (in this process) unless JAX runs on a TPU."""
     if jax.default_backend() == "tpu":
@@ -161,3 +227,4 @@ def install() -> None:
     memory_pool.update_fused_kv_cache_vectorized = fused_kv_scatter
     keep_fa_on_cpu()
     own_page_table_buffers()
+    serve_swa_pool_on_cpu()

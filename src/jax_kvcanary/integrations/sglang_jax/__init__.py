@@ -18,10 +18,12 @@ and fa attention backends, ``--enable-single-process``, the AOT dispatcher, tens
 (main: one canary state per device of the ``tensor`` axis, each checking its own KV heads), the
 write-input assert and the token check (main: ``tokens``).
 The KV pools of ``pools.GUARDED`` (``MHATokenToKVPool``: every model served with it, MLA on the
-native backend too). Refused before start (``server.refusals``, ``server.model_refusals``):
-several nodes, data parallelism, speculative decoding, LoRA, multimodal, PD disaggregation,
-HiCache, and the other KV pools (hybrid SWA, MLA latent, hybrid recurrent), by the pool class the
-engine would build; a scheduler that finds one anyway ends the server before it serves.
+native backend too; ``SWAKVPool``: FULL and SWA groups, native backend, one device, no sweeps).
+Refused before start (``server.refusals``, ``server.model_refusals``): several nodes, data
+parallelism, speculative decoding, LoRA, multimodal, PD with Raiden / D2H / tensor parallelism,
+HiCache's L3 tier, what the SWA guard lacks (``pools.swa_refusals``) and the other KV pools (MLA
+latent, hybrid recurrent), by the pool class the engine would build; a scheduler that finds one
+anyway ends the server before it serves.
 
 Modules: ``canary`` (``SglangJaxCanary``: the wrapped model call and its checks), ``layout`` (the
 engine's arrays as the canary addresses them), ``server`` (refusals, the guarded scheduler), ``pools`` (which KV pool class

@@ -48,6 +48,7 @@ every capacity bucket, then starts from a fresh state: no compile is left for th
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -262,6 +263,12 @@ class SglangJaxCanary:
                              f"{type(tree_cache).__name__} (radix cache disabled?): use "
                              "sweep_interval=0")
         self.layout = runner_layout(runner)
+        if "SWA" in self.layout.groups:              # a hybrid sliding-window pool: both groups
+            if int(dict(runner.mesh.shape).get(TP_AXIS, 1)) > 1 or config.sweep_interval:
+                raise ValueError("kv-canary: a hybrid SWA pool is guarded with --tp-size 1 and "
+                                 "without sweeps (pools.swa_refusals)")
+            config = dataclasses.replace(config, groups=self.layout.groups,
+                                         swa_window_size=self.layout.swa_window)
         self.runner = runner
         self.tokens = intended_tokens(runner, self.layout, config)
         self.config = config
@@ -303,9 +310,13 @@ class SglangJaxCanary:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def _endpoints(self, write_req_capacity: int, verify_capacity: int) -> CanaryEndpoints:
-        return CanaryEndpoints(self.config, num_slots=self.num_slots,
-                               write_req_capacity=max(1, int(write_req_capacity)),
-                               verify_capacity=max(1, int(verify_capacity)))
+        rows, entries = max(1, int(write_req_capacity)), max(1, int(verify_capacity))
+        swa = {}
+        if "SWA" in self.layout.groups:              # each row verifies its window at most
+            swa = dict(swa_num_slots=self.layout.geometries["SWA"].num_slots,
+                       swa_verify_capacity=min(entries, rows * self.layout.swa_window))
+        return CanaryEndpoints(self.config, num_slots=self.num_slots, write_req_capacity=rows,
+                               verify_capacity=entries, **swa)
 
     def _state_sharding(self):
         """Where the canary state lives: replicated over the runner's mesh, or with tensor
@@ -384,7 +395,7 @@ class SglangJaxCanary:
                                                 cap.bit_length())):
                     plans = build_group_sweep_plans(np.zeros((0, 3), np.int64), ("FULL",),
                                                     min_capacity=c)
-                    self.state, _ = self._sweep_fn(self.state, plans, self.layout.kv0())
+                    self.state, _ = self._sweep_fn(self.state, plans, {"FULL": self.layout.kv0()})
             if self.tokens is not None:
                 self.tokens.precompile()
             self.state = self._reset_ring_fn(self.state)
@@ -401,17 +412,19 @@ class SglangJaxCanary:
         layout = self.layout
         page_size, aligned, mesh = layout.page_size, layout.aligned_segments, self.runner.mesh
 
-        def check(cstate, arrays, kv0, decode, mesh=mesh):
+        def check(cstate, arrays, kvs, decode, mesh=mesh):
             ep = self._endpoints(arrays["seq_lens"].shape[0], arrays["cache_loc"].shape[0])
             batch = page_table_batch(arrays, decode=decode, page_size=page_size, aligned=aligned,
                                      mesh=mesh)
+            if "swa_lut" in arrays:
+                batch = batch._replace(full_to_swa_index_mapping=arrays["swa_lut"])
             if "token_pool" in arrays:
                 batch = with_intended_tokens(batch, arrays["token_pool"],
                                              replicated(mesh)(arrays["req_pool_indices"]))
             hint = cost_hint(cstate)
             cstate, ctx = ep.head(cstate, batch)
-            sources = real_kv_sources(kv0, mode) if mode else {}
-            cstate = ep.tail(cstate, ctx, {"FULL": sources})
+            sources = {g: real_kv_sources(kv, mode) for g, kv in kvs.items()} if mode else {}
+            cstate = ep.tail(cstate, ctx, sources)
             return cstate, counter_snapshot(cstate), hint
 
         if self.tp > 1:
@@ -431,15 +444,16 @@ class SglangJaxCanary:
         mesh = self.runner.mesh
         everywhere = NamedSharding(mesh, PartitionSpec())
 
-        def run(cstate, arrays, kv0, **kw):
+        def run(cstate, arrays, kvs, **kw):
             def body(cs, arr, kv):
                 out = fn(local_view(cs), arr, kv, mesh=None, **kw)
                 return global_view(out)
 
             arrays = jax.tree.map(lambda x: jax.sharding.reshard(x, everywhere), arrays)
+            specs = jax.tree.map(lambda _: kv_spec, kvs)
             return jax.shard_map(body, mesh=mesh,
-                                 in_specs=(PartitionSpec(TP_AXIS), PartitionSpec(), kv_spec),
-                                 out_specs=PartitionSpec(TP_AXIS))(cstate, arrays, kv0)
+                                 in_specs=(PartitionSpec(TP_AXIS), PartitionSpec(), specs),
+                                 out_specs=PartitionSpec(TP_AXIS))(cstate, arrays, kvs)
 
         return run
 
@@ -447,9 +461,9 @@ class SglangJaxCanary:
         mode = self.config.real_kv_hash_mode
         ep = self._endpoints(1, 1)
 
-        def sweep(cstate, plans, kv0, mesh=None):
-            sources = real_kv_sources(kv0, mode) if mode else {}
-            return ep.sweep(cstate, plans, {"FULL": sources}), cost_hint(cstate)
+        def sweep(cstate, plans, kvs, mesh=None):
+            sources = {g: real_kv_sources(kv, mode) for g, kv in kvs.items()} if mode else {}
+            return ep.sweep(cstate, plans, sources), cost_hint(cstate)
 
         if self.tp > 1:
             sweep = self._per_device(sweep)
@@ -501,11 +515,11 @@ class SglangJaxCanary:
         if chunks is not None:
             self.tokens.expect(model_worker_batch.bid, chunks)
 
-    def _run_pending_sweep(self, kv0) -> None:
+    def _run_pending_sweep(self, kvs) -> None:
         with self._sweep_lock:
             plans, self._pending_sweep = self._pending_sweep, None
         if plans is not None:
-            self.state, _ = self._sweep_fn(self.state, plans, kv0)
+            self.state, _ = self._sweep_fn(self.state, plans, kvs)
             self.sweeps += 1
 
     def sweep_now(self) -> int:
@@ -513,7 +527,7 @@ class SglangJaxCanary:
         the scheduler's thread without the overlap schedule); returns the slots swept."""
         n = self.request_sweep()
         with self._monitor_lock:
-            self._run_pending_sweep(self.layout.kv0())
+            self._run_pending_sweep({"FULL": self.layout.kv0()})
         return n
 
     # -- per step -------------------------------------------------------------------------------
@@ -526,22 +540,25 @@ class SglangJaxCanary:
         t0 = time.perf_counter()
         if self.sweeps_from_wrapper and si and self.steps % si == 0 and not self.warming:
             self.request_sweep()                       # the caller's thread: its radix tree
+        swa_lut = self._swa_map_snapshot()
         t1 = time.perf_counter()
         outputs = self._original(forward_batch, logits_metadata)
         t2 = time.perf_counter()
-        kv0 = self.layout.layers(outputs)[0]            # layer 0's KV as the forward left it
+        kvs = self.layout.step_kvs(outputs)            # the KV as the forward left it
         # held from the launch (which donates the canary state) to the readback, so that the
         # idle reporter never reads a state a launch has donated
         with self._monitor_lock:
             try:
-                self._run_pending_sweep(kv0)
+                self._run_pending_sweep({"FULL": kvs["FULL"]})
                 arrays = step_arrays(forward_batch)
+                if swa_lut is not None:
+                    arrays["swa_lut"] = swa_lut
                 if self.tokens is not None:
                     self.tokens.before_step(getattr(forward_batch, "bid", None))
                     arrays["token_pool"] = self.tokens.pool
                     self._step_rows = (forward_batch.req_pool_indices, forward_batch.seq_lens)
                 decode = bool(forward_batch.forward_mode.is_decode())
-                self.state, snapshot, _ = self._check_fn(self.state, arrays, kv0, decode=decode)
+                self.state, snapshot, _ = self._check_fn(self.state, arrays, kvs, decode=decode)
                 if self.warming:
                     return outputs
                 new = self.monitor.step(self.state, snapshot=snapshot, wait=False)
@@ -564,6 +581,15 @@ class SglangJaxCanary:
                              CanaryTotals.read(self).stats_line(self.protected_tokens()),
                              len(self.host_time.recent), self.host_time.summary())
         return outputs
+
+    def _swa_map_snapshot(self):
+        """With a hybrid SWA pool: the full-to-SWA map as this step's attention reads it, copied
+        to the device before the model call (the engine's allocator edits its host array in
+        place; the engine's own call copies it at the same point), else None."""
+        if "SWA" not in self.layout.groups:
+            return None
+        return jax.device_put(np.array(self.layout.swa_map(), np.int32),
+                              NamedSharding(self.runner.mesh, PartitionSpec()))
 
     def _remember(self, record: StepRecord) -> None:
         """Keep the ``StepRecord`` of the launch just pumped (the monitor's current step)."""

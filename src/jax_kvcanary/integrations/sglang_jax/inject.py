@@ -61,6 +61,17 @@ own structures once, at the first batch from the ``N``-th on that has a target, 
   already reused, as in SGLang #24527): ``verify_real_kv_hash`` at TAIL on the overwritten
   prompt slots in its first decode step.
 
+- ``swa_evicted_in_window`` (hybrid SWA pool): in a DECODE step, the full-to-SWA map entry of batch
+  row 0's last prefix position (inside its sliding window) set to 0, as if the engine had evicted
+  the SWA KV attention still reads (the class of sglang-jax #1355 / SGLang #30845): attention
+  reads the SWA pool's padding slot there; ``index_out_of_range`` (slot -1, the plan's
+  ``report_evicted_in_window``) at HEAD and TAIL of the SWA group. The entry is put back at the
+  next step, so the engine frees that SWA slot as usual.
+- ``swa_map_stale`` (hybrid SWA pool): in a DECODE step, the same map entry pointed at the SWA slot
+  of the position before it (a stale full-to-SWA mapping, SGLang #25385): attention reads the
+  other position's sliding-window KV; ``verify_position`` + ``verify_chain_hash`` at HEAD and TAIL
+  of the SWA group. Put back at the next step too.
+
 Scheduler-side kinds run in the scheduler's thread before a batch is launched (step = the batch's
 launch count); forward-side kinds run where the forward runs, right before the step (step = the
 canary's step count). After precompile both count from 1.
@@ -86,7 +97,9 @@ HICACHE_KINDS = ("hicache_reload_swap", "hicache_stale_page", "hicache_host_flip
                  "hicache_revive_free")
 #: kinds planted in a PD decode server's receive (need --disaggregation-mode decode)
 PD_KINDS = ("pd_zero_slot", "pd_page_shift", "pd_early_reuse")
-KINDS = SCHEDULER_KINDS + FORWARD_KINDS + HICACHE_KINDS + PD_KINDS
+#: kinds planted in a hybrid SWA pool's full-to-SWA map (need an SWAKVPool)
+SWA_KINDS = ("swa_evicted_in_window", "swa_map_stale")
+KINDS = SCHEDULER_KINDS + FORWARD_KINDS + HICACHE_KINDS + PD_KINDS + SWA_KINDS
 #: kinds found by the write-input assert only
 TOKEN_KINDS = ("future_token_ring_wrap",)
 
@@ -179,8 +192,12 @@ class FaultInjector:
         self.canary = canary
         self.scheduler = scheduler
         self.logger = logger or LOGGER
+        if spec.kind in SWA_KINDS and "SWA" not in canary.layout.groups:
+            raise ValueError(f"kv-canary: --kv-canary-inject {spec.kind} needs a hybrid SWA pool "
+                             "(a sliding-window model without --disable-hybrid-swa-memory)")
         self.done = False
         self._queued_slot = None             # real_kv_unused_cache: chosen here, flipped there
+        self._restore = None                 # SWA kinds: (full slot, planted, original) map entry
         if spec.kind in HICACHE_KINDS:
             self._hook_host_pool(getattr(getattr(scheduler, "tree_cache", None), "host_pool",
                                          None))
@@ -229,6 +246,12 @@ class FaultInjector:
     # -- forward thread -------------------------------------------------------------------------
     def before_step(self, forward_batch) -> None:
         """Forward-side kinds (and the queued KV flip), right before the canary's step."""
+        if self._restore is not None:                     # an SWA map entry planted last step
+            full, planted, original = self._restore
+            swa_map = self.canary.layout.swa_map()
+            if int(swa_map[full]) == planted:
+                swa_map[full] = original
+            self._restore = None
         if self.done:
             return
         step = self.canary.steps
@@ -238,6 +261,9 @@ class FaultInjector:
             _flip_byte(layout, slot)
             self._log(chosen, f"flipped byte 0 of slot {slot} in layer 0's KV (cached by the "
                               "prefix cache, used by no running request)")
+            return
+        if self.spec.kind in SWA_KINDS and step >= self.spec.step:
+            self._plant_in_swa_map(step, forward_batch)
             return
         if self.spec.kind not in FORWARD_KINDS or step < self.spec.step:
             return
@@ -280,6 +306,26 @@ class FaultInjector:
             self._log(step, f"input token of batch row 0 (pool row {rows[0]}, written to slot "
                             f"{slot}) set to {ids[0]}, the token of batch row {other[0]} (pool "
                             f"row {rows[other[0]]}); it was {was}")
+
+    def _plant_in_swa_map(self, step: int, fb) -> None:
+        """``swa_evicted_in_window`` / ``swa_map_stale``: batch row 0's last prefix position."""
+        seq = np.asarray(fb.seq_lens)
+        if (not fb.forward_mode.is_decode() or seq.shape[0] == 0 or seq[0] < 3
+                or int(np.asarray(fb.req_pool_indices)[0]) < 0):
+            return
+        loc = np.asarray(fb.cache_loc)
+        full, before = int(loc[seq[0] - 2]), int(loc[seq[0] - 3])   # batch row 0 starts at 0
+        swa_map = self.canary.layout.swa_map()
+        original = int(swa_map[full])
+        planted = 0 if self.spec.kind == "swa_evicted_in_window" else int(swa_map[before])
+        if original == 0 or planted == original or (planted == 0) != (
+                self.spec.kind == "swa_evicted_in_window"):
+            return                                        # nothing there to damage
+        swa_map[full] = planted
+        self._restore = (full, planted, original)
+        self._log(step, f"full_to_swa_index_mapping[{full}] (position {seq[0] - 2} of batch row "
+                        f"0, inside its window) set to {planted} (was {original}; put back at the "
+                        "next step)")
 
     # -- the HiCache host pool (the scheduler's thread and the engine's D2H worker) --------------
     def _hook_host_pool(self, pool) -> None:

@@ -177,7 +177,12 @@ def _need(ok: bool, what: str) -> None:
 
 
 class _Runner:
-    """What the canary needs from one ``ModelRunner`` (subclasses: the two layouts)."""
+    """What the canary needs from one ``ModelRunner`` (subclasses: the two layouts).
+
+    Attributes: ``groups`` (``("FULL",)``, or ``("FULL", "SWA")`` for a hybrid sliding-window
+    pool), ``layer`` (per group, the global id of the layer whose KV is fingerprinted: the first
+    of the group's layers), ``geometries`` (per group, that layer's ``FusedGeometry``; ``geometry``
+    is the FULL one), ``swa_window`` (the sliding window, 0 without SWA), ``page_size``."""
 
     def __init__(self, runner):
         _need(callable(getattr(runner, "jitted_run_model", None)), "jitted_run_model")
@@ -186,12 +191,20 @@ class _Runner:
         refused = pool is not None and pools.refusal(type(pool).__name__)
         if refused:
             raise ValueError(refused)
-        _need(isinstance(getattr(pool, "kv_buffer", None), list), "token_to_kv_pool.kv_buffer list")
         if int(getattr(runner, "dp_size", 1)) != 1:
             raise ValueError("kv-canary: the sglang-jax integration supports dp_size=1 only, got "
                              f"dp_size={runner.dp_size}")
         self.runner = runner
-        self.geometry = fused_geometry(pool.kv_buffer[0])
+        self.groups, self.layer, self.swa_window = ("FULL",), {"FULL": 0}, 0
+        if pools.is_swa(pool):
+            self.groups, self.swa_window = ("FULL", "SWA"), int(runner.sliding_window_size)
+            self.layer = {"FULL": min(l for l, (_, swa) in pool.layers_mapping.items() if not swa),
+                          "SWA": min(l for l, (_, swa) in pool.layers_mapping.items() if swa)}
+        else:
+            _need(isinstance(getattr(pool, "kv_buffer", None), list),
+                  "token_to_kv_pool.kv_buffer list")
+        self.geometries = {g: fused_geometry(self.kv(g)) for g in self.groups}
+        self.geometry = self.geometries["FULL"]
         backend = getattr(getattr(runner, "server_args", None), "attention_backend", "native")
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"kv-canary: attention backend {backend!r} is not supported by the "
@@ -204,13 +217,39 @@ class _Runner:
         """Whether attention reads ``cache_loc`` at page-aligned segment starts."""
         return self.attention_backend != "native"
 
+    def _buffers(self, group: str):
+        """The list holding ``group``'s fingerprinted layer, and its index there."""
+        pool = self.runner.token_to_kv_pool
+        if len(self.groups) == 1:
+            return pool.kv_buffer, 0
+        index, _ = pool.layers_mapping[self.layer[group]]
+        return (pool.swa_kv_pool if group == "SWA" else pool.full_kv_pool).kv_buffer, index
+
+    def kv(self, group: str = "FULL"):
+        """The current fused KV buffer of ``group``'s fingerprinted layer (layer 0 without SWA)."""
+        buffers, i = self._buffers(group)
+        return buffers[i]
+
+    def set_kv(self, array, group: str = "FULL") -> None:
+        """Replace that buffer (fault injection)."""
+        buffers, i = self._buffers(group)
+        buffers[i] = array
+
     def kv0(self):
-        """Layer 0's current fused KV buffer."""
-        return self.runner.token_to_kv_pool.kv_buffer[0]
+        """The FULL group's fingerprinted KV buffer (layer 0 without SWA)."""
+        return self.kv("FULL")
 
     def set_kv0(self, array) -> None:
-        """Replace layer 0's fused KV buffer (fault injection)."""
-        self.runner.token_to_kv_pool.kv_buffer[0] = array
+        self.set_kv(array, "FULL")
+
+    def step_kvs(self, outputs) -> dict:
+        """``{group: KV buffer}`` of the fingerprinted layers as the step's forward left them."""
+        layers = self.layers(outputs)
+        return {g: layers[self.layer[g]] for g in self.groups}
+
+    def swa_map(self):
+        """The engine's full-to-SWA slot map (host ``int`` array; 0 = not in the SWA pool)."""
+        return self.runner.token_to_kv_pool.full_to_swa_index_mapping
 
     @staticmethod
     def layers(outputs) -> list:

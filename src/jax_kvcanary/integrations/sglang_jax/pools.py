@@ -10,15 +10,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-#: the pool classes the canary guards: one fused K/V buffer per layer, indexed by slot
-GUARDED = ("MHATokenToKVPool",)
+#: the pool classes the canary guards: one fused K/V buffer per layer, indexed by slot; and the
+#: hybrid sliding-window pool (two such pools and a full-to-SWA slot map: FULL and SWA groups)
+GUARDED = ("MHATokenToKVPool", "SWAKVPool")
 
 #: why each pool class sglang-jax main has (``mem_cache/memory_pool.py``) is not guarded, and what
 #: serves the same model with a guarded pool
 UNGUARDED = {
-    "SWAKVPool": ("its sliding-window layers keep their KV in a second pool reached through a "
-                  "full-to-SWA slot map the canary does not follow",
-                  "add --disable-hybrid-swa-memory (one MHA pool: every layer keeps its full KV)"),
     "MLATokenToKVPool": ("its latent rows (compressed KV and rope part, and the DSA indexer "
                          "keys) are not fingerprinted",
                          "use --attention-backend native (MLA with decompressed K/V in an MHA "
@@ -28,6 +26,11 @@ UNGUARDED = {
 }
 
 
+def is_swa(pool) -> bool:
+    """Whether ``pool`` is sglang-jax's hybrid sliding-window pool (two MHA pools and a map)."""
+    return type(pool).__name__ == "SWAKVPool"
+
+
 def refusal(pool_class: str) -> Optional[str]:
     """The ``kv-canary:`` line refusing ``pool_class``, or None when the canary guards it."""
     if pool_class in GUARDED:
@@ -35,6 +38,30 @@ def refusal(pool_class: str) -> Optional[str]:
     why, fix = UNGUARDED.get(pool_class, ("the canary knows only " + ", ".join(GUARDED), None))
     return (f"kv-canary: the KV pool {pool_class} is not supported: {why}; "
             + (f"{fix}, or run with --kv-canary none" if fix else "run with --kv-canary none"))
+
+
+#: what the canary does not guard yet with the hybrid sliding-window pool: (setting, why, fix)
+def swa_refusals(server_args, sweep_interval: int) -> list:
+    """``(setting, why, fix)`` of each server setting the canary refuses with ``SWAKVPool``."""
+    a, out = server_args, []
+    keep = "or add --disable-hybrid-swa-memory (one MHA pool)"
+    if a.tp_size > 1:
+        out.append((f"--tp-size {a.tp_size} with a hybrid SWA pool",
+                    "the SWA group is not sharded per tensor-parallel device yet", keep))
+    if a.attention_backend != "native":
+        out.append((f"--attention-backend {a.attention_backend} with a hybrid SWA pool",
+                    "the SWA group is checked as the native backend reads it", keep))
+    if getattr(a, "disaggregation_mode", "null") not in (None, "null"):
+        out.append((f"--disaggregation-mode {a.disaggregation_mode} with a hybrid SWA pool",
+                    "SWA records do not travel with a PD transfer yet", keep))
+    if getattr(a, "hicache_storage", "disable") not in (None, "disable"):
+        out.append((f"--hicache-storage {a.hicache_storage} with a hybrid SWA pool",
+                    "SWA records do not travel to the host tier yet", keep))
+    if sweep_interval:
+        out.append((f"--kv-canary-sweep-interval {sweep_interval} with a hybrid SWA pool",
+                    "sweeps of the SWA radix cache are not written yet",
+                    "use --kv-canary-sweep-interval 0"))
+    return out
 
 
 def engine_pool_class(server_args, model_config) -> str:

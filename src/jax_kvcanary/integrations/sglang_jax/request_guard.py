@@ -51,6 +51,16 @@ _POSITION_BIT = int(FailReason.VERIFY_POSITION_MISMATCH)
 _SWEEP_TAGS = (int(LaunchTag.SWEEP_K_FULL), int(LaunchTag.SWEEP_V_FULL))
 _WRITE_INDEX_KINDS = (int(IndexKind.WRITE_SLOT), int(IndexKind.WRITE_SEED))
 _VERIFY_INDEX_KINDS = (int(IndexKind.VERIFY_SLOT), int(IndexKind.VERIFY_PREV))
+_SWA_TAGS = frozenset(int(t) for t in LaunchTag if t.name.endswith("_SWA"))
+
+
+def swa_slots(lut: np.ndarray, full: np.ndarray, *, evicted: bool) -> np.ndarray:
+    """Full-pool slots as the SWA group's plan addresses them: through the full-to-SWA map (-1
+    outside it); with ``evicted``, a live slot the map sends to 0 is -1, as the plan's
+    ``report_evicted_in_window`` makes it."""
+    ok = (full >= 0) & (full < lut.shape[0])
+    out = np.where(ok, lut[np.clip(full, 0, lut.shape[0] - 1)], -1)
+    return np.where(evicted & (out == 0) & (full > 0), -1, out)
 
 
 def running_requests(scheduler) -> List:
@@ -105,7 +115,7 @@ def read_at(row: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 
 def named_batch_rows(rows: np.ndarray, arrays: dict, *, decode: bool, page_size: int,
-                     aligned: bool) -> Dict[int, List[int]]:
+                     aligned: bool, swa_window: int = 0) -> Dict[int, List[int]]:
     """The batch rows a launch's ring rows name: ``{batch row: [indices into rows]}``; a row
     that names no batch row (a sweep row, or one whose slot no entry of the step has) is left out.
     A write row names the batch row whose entry wrote its slot with its position; a verify row
@@ -117,9 +127,11 @@ def named_batch_rows(rows: np.ndarray, arrays: dict, *, decode: bool, page_size:
       rows: ``int64[k, 8]``, ring rows recorded by the launch.
       arrays: the step's arrays as the launch read them (``layout.step_arrays``; host or device).
       decode, page_size, aligned: as the launch planned them (``layout.page_table_batch``).
+      swa_window: with a hybrid SWA pool (``arrays["swa_lut"]``), the window the SWA group
+        verifies: its rows name SWA slots read in the last ``swa_window`` positions.
     """
     get = lambda k: None if arrays.get(k) is None else np.asarray(arrays[k]).astype(np.int64)
-    rp, seq, loc = get("req_pool_indices"), get("seq_lens"), get("cache_loc")
+    rp, seq, loc, lut = get("req_pool_indices"), get("seq_lens"), get("cache_loc"), get("swa_lut")
     live = (rp >= 0) & (seq > 0)
     seq = np.where(live, seq, 0)
     starts = np.asarray(segment_starts(seq, page_size, aligned)).astype(np.int64)
@@ -127,16 +139,23 @@ def named_batch_rows(rows: np.ndarray, arrays: dict, *, decode: bool, page_size:
     out, pos = get("out_cache_loc"), get("positions")
     entry_row = np.repeat(np.arange(rp.shape[0]), ext)[:out.shape[0]]
     out, pos = out[:entry_row.shape[0]], pos[:entry_row.shape[0]]
+    group_slots = {False: (out, loc)}                # per group: written slots, page table
+    if lut is not None:                               # the SWA group's rows name SWA slots
+        group_slots[True] = (swa_slots(lut, out, evicted=False), swa_slots(lut, loc, evicted=True))
     named: Dict[int, List[int]] = {}
     for k, row in enumerate(np.asarray(rows, np.int64).reshape(-1, 8)):
         kind, slot, p = row_kind(row), int(row[1]), int(row[2])
+        swa = lut is not None and int(row[0]) in _SWA_TAGS
+        written, table = group_slots[swa]
         hit = set()
         if kind in ("write", "either"):
-            hit.update(entry_row[(out == slot) & ((pos == p) | (kind == "either"))].tolist())
+            hit.update(entry_row[(written == slot) & ((pos == p) | (kind == "either"))].tolist())
         if kind in ("verify", "either"):
             for r in np.flatnonzero(live):
-                seg = loc[starts[r]:starts[r] + seq[r]]
+                seg = table[starts[r]:starts[r] + seq[r]]
                 at = np.flatnonzero(seg == slot)
+                if swa:
+                    at = at[at >= seq[r] - swa_window]
                 if read_at(row, at).any():
                     hit.add(int(r))
         for r in hit:
@@ -260,8 +279,8 @@ class RequestGuard:
             if not req.finished() and req.req_pool_idx is not None:
                 by_rp.setdefault(int(req.req_pool_idx), req)
         if self.abort:
-            for v in due:
-                if v.slot > 0:                     # slot 0 is sglang-jax's padding slot
+            for v in due:                          # full-pool slots (SWA rows name SWA slots,
+                if v.slot > 0 and int(v.tag) not in _SWA_TAGS:   # which the tree does not hold)
                     self.quarantined.setdefault(int(v.slot),
                                                 f"{v.tag_name} {'+'.join(v.reasons)}")
         named: Dict[int, list] = {}
@@ -288,7 +307,8 @@ class RequestGuard:
         if rows and record is not None:
             hits = named_batch_rows(np.stack([v.row for v in rows]), record.arrays,
                                     decode=record.decode, page_size=layout.page_size,
-                                    aligned=layout.aligned_segments)
+                                    aligned=layout.aligned_segments,
+                                    swa_window=layout.swa_window)
             rps = np.asarray(record.arrays["req_pool_indices"]).tolist()
             for r, ks in hits.items():
                 req = by_rp.get(int(rps[r]))
@@ -350,14 +370,15 @@ class RequestGuard:
         held = set()
         for node in tree_nodes_holding(tree, bad):
             slots = bad.intersection(np.asarray(node_slots(node)).tolist())
-            if not hasattr(node, "value"):
-                # sglang-jax's UnifiedRadixCache (HiCache): its nodes carry host copies and
-                # per-component state the canary does not unwind; the prefix stays cached, and
-                # every request that reads it is checked (and aborted) like any other
-                self.logger.warning("kv-canary: slot(s) %s stay in the prefix cache (the unified "
-                                    "radix tree is not evicted by the canary); requests reading "
-                                    "them are checked as any other",
-                                    ", ".join(map(str, sorted(slots))))
+            if not hasattr(node, "value") or not hasattr(node, "lock_ref"):
+                # sglang-jax's UnifiedRadixCache (HiCache) and SWARadixCache (hybrid SWA pool):
+                # their nodes carry host copies, per-pool locks, tombstones and LRU lists the
+                # canary does not unwind; the prefix stays cached, and every request that reads
+                # it is checked (and aborted) like any other
+                self.logger.warning("kv-canary: slot(s) %s stay in the prefix cache (a %s is not "
+                                    "evicted by the canary); requests reading them are checked "
+                                    "as any other", ", ".join(map(str, sorted(slots))),
+                                    type(tree).__name__)
                 continue
             if node.lock_ref > 0:
                 held |= slots

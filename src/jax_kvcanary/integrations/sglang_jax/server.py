@@ -31,7 +31,7 @@ from .canary import LOGGER, install_into_scheduler
 from .hicache import install_host_records
 from .pd import install_transfer_records
 from .request_guard import install_request_guard
-from .inject import HICACHE_KINDS, PD_KINDS, TOKEN_KINDS, FaultInjector, InjectSpec
+from .inject import HICACHE_KINDS, PD_KINDS, SWA_KINDS, TOKEN_KINDS, FaultInjector, InjectSpec
 from .layout import ATTENTION_BACKENDS
 from .metrics import PrometheusCounters, protected_tokens
 
@@ -121,17 +121,30 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
     return out
 
 
-def model_refusals(server_args) -> List[str]:
+def model_refusals(server_args, config: Optional[CanaryConfig] = None,
+                   inject: Optional[InjectSpec] = None) -> List[str]:
     """Refusals that need the model's config (read from ``--model-path``; nothing is loaded): the
-    KV pool class sglang-jax would build for it (``pools``)."""
+    KV pool class sglang-jax would build for it (``pools``), and with the hybrid sliding-window
+    pool the settings not guarded with it yet (``pools.swa_refusals``)."""
     from sgl_jax.srt.configs.model_config import ModelConfig
 
     try:
         cfg = ModelConfig.from_server_args(server_args)
     except Exception:  # the stock server reports a model it cannot read
         return []
-    line = pools.refusal(pools.engine_pool_class(server_args, cfg))
-    return [line] if line else []
+    pool = pools.engine_pool_class(server_args, cfg)
+    line = pools.refusal(pool)
+    if line:
+        return [line]
+    if inject is not None and inject.kind in SWA_KINDS and pool != "SWAKVPool":
+        return [f"kv-canary: --kv-canary-inject {inject.kind} is not supported with the KV pool "
+                f"{pool}: that fault is planted in a hybrid SWA pool's full-to-SWA map; serve a "
+                "sliding-window model without --disable-hybrid-swa-memory"]
+    if pool == "SWAKVPool":
+        sweeps = config.sweep_interval if config is not None else 0
+        return [f"kv-canary: {setting} is not supported: {why}; {fix}"
+                for setting, why, fix in pools.swa_refusals(server_args, sweeps)]
+    return []
 
 
 # -- the scheduler ----------------------------------------------------------------------------------
@@ -229,7 +242,9 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
                 config.real_kv_hash_mode.name.lower(),
                 config.sweep_interval, type(canary.layout).__name__, canary.layout.attention_backend,
                 canary.layout.page_size,
-                "".join([f", tensor parallel over {canary.tp} devices" if canary.tp > 1 else "",
+                "".join([f", FULL and SWA groups (hybrid SWA pool, window {canary.layout.swa_window})"
+                         if "SWA" in canary.layout.groups else "",
+                         f", tensor parallel over {canary.tp} devices" if canary.tp > 1 else "",
                          ", write-input assert" if config.write_input_assert else "",
                          ", token check" if config.token_check else "",
                          ", HiCache host records" if host is not None else "",

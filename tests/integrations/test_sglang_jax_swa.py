@@ -1,0 +1,138 @@
+"""The hybrid sliding-window KV pool (``SWAKVPool``: sliding layers' KV in a second, smaller pool
+reached through a full-to-SWA slot map) in sglang-jax's own HTTP server: served on the CPU, then
+guarded (FULL and SWA groups) with the stock tokens, and its faults reported.
+
+sglang-jax serves this pool on TPUs only; the servers here run with the CPU stand-in of that path
+(``tests/support/cpu_stand_ins.py``, ``serve_swa_pool_on_cpu``), started by
+``tests.support.launch_with_stand_ins``. The model is a tiny Gemma2 (sliding layers 0 and 2, window
+``WINDOW``); the reference answers are the same model's with ``--disable-hybrid-swa-memory`` (every
+layer's KV in one full pool).
+"""
+
+import re
+
+import pytest
+
+from tests.support.sglang_server import TINY_ENGINE_ARGS, Server, installed_sglang_jax
+
+pytestmark = pytest.mark.integration
+if installed_sglang_jax() != "main":
+    pytest.skip("these tests need sglang-jax's main branch (BUILD.md)", allow_module_level=True)
+
+from tests.support.tiny_gemma2 import WINDOW, write_tiny_gemma2  # noqa: E402
+
+STAND_INS = "tests.support.launch_with_stand_ins"
+PROMPT = "the key value cache holds the keys and values of every token a request has seen"
+PAIR = ["what is the capital of france and how many tokens fit in a page",
+        "alpha beta gamma delta epsilon zeta eta theta"]
+#: tokens each request generates: every request runs past twice the window
+NEW = 120
+#: the SWA pool's share of the full pool's slots: a pool of 195 slots, fewer than the requests
+#: hold, so that its allocator hands out freed slots again (the full-to-SWA map is no identity)
+RATIO = ["--swa-full-tokens-ratio", "0.05"]
+SWA_POOL_RE = re.compile(r"Use Sliding window memory pool\. full_layer_tokens=(\d+), "
+                         r"swa_layer_tokens=(\d+)")
+DECODE_RE = re.compile(r"Decode batch\. #running-req: \d+, #full token: (\d+), "
+                       r"full token usage: [\d.]+, #swa token: (\d+)")
+STATS_RE = re.compile(r"kv_canary stats: .* HEAD_K_SWA=verified:(\d+),written:(\d+)")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_gemma2(str(tmp_path_factory.mktemp("tiny-gemma2")))
+
+
+def server(model_dir, tmp_path, *args, name):
+    return Server(["--model-path", model_dir, *TINY_ENGINE_ARGS, *args],
+                  str(tmp_path / f"{name}.log"), module=STAND_INS)
+
+
+def answers(srv, batch: bool = True) -> list:
+    """Replies (greedy, EOS ignored), one request at a time: a prompt, the same prompt again (a
+    prefix hit), then two prompts in one ``/generate`` (a batch; with ``batch=False`` one after
+    the other)."""
+    out = [srv.generate(PROMPT, NEW, ignore_eos=True), srv.generate(PROMPT, NEW, ignore_eos=True)]
+    if batch:
+        return out + srv.generate(PAIR, NEW, ignore_eos=True)
+    return out + [srv.generate(p, NEW, ignore_eos=True) for p in PAIR]
+
+
+def ids(replies) -> list:
+    return [r["output_ids"] for r in replies]
+
+
+@pytest.fixture(scope="module")
+def full_pool(model_dir, tmp_path_factory):
+    """The stock server's replies with one full pool (``--disable-hybrid-swa-memory``)."""
+    with server(model_dir, tmp_path_factory.mktemp("full"), "--kv-canary", "none",
+                "--disable-hybrid-swa-memory", name="full") as srv:
+        replies, log = answers(srv), srv.log()
+    assert SWA_POOL_RE.search(log) is None, log[-3000:]
+    return replies
+
+
+def check_swa_run(replies, log) -> None:
+    """The hybrid pool served these replies, and its SWA slots were freed behind the window and
+    handed out again."""
+    pool = SWA_POOL_RE.search(log)
+    assert pool, log[-3000:]
+    held = [r["meta_info"]["prompt_tokens"] + len(r["output_ids"]) for r in replies]
+    assert min(held) > 2 * WINDOW and int(pool.group(2)) < sum(held)
+    assert replies[1]["meta_info"]["cached_tokens"] > 0                # the prefix hit
+    usage = [(int(f), int(s)) for f, s in DECODE_RE.findall(log)]
+    assert any(s < f for f, s in usage), usage
+
+
+def test_the_swa_pool_stand_in_answers_as_one_full_pool(model_dir, full_pool, tmp_path):
+    """The stock server on the hybrid pool with the stand-in: the full pool's tokens, while the SWA
+    pool frees the slots of tokens that left the window."""
+    with server(model_dir, tmp_path, "--kv-canary", "none", *RATIO, name="swa") as srv:
+        replies, log = answers(srv), srv.log()
+    check_swa_run(replies, log)
+    assert ids(replies) == ids(full_pool)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_the_hybrid_swa_pool_is_guarded_with_the_stock_tokens(model_dir, full_pool, tmp_path,
+                                                              page_size):
+    """The canary on the hybrid pool, with the write-input assert and the token check: both
+    groups checked every step (the SWA group in its own slot space, through the step's map, its
+    window's positions required to be in the SWA pool), the stock tokens, no report. At page size
+    4 the pair goes one request at a time: a batch there is where sglang-jax's native backend reads
+    the page-aligned table at unaligned offsets, which the canary reports (README;
+    ``test_sglang_jax_server.test_page_size_4``)."""
+    with server(model_dir, tmp_path, "--kv-canary", "log", "--kv-canary-stats-interval", "50",
+                "--kv-canary-write-input-assert", "--kv-canary-token-check", *RATIO,
+                "--page-size", str(page_size), name=f"swa-guarded-{page_size}") as srv:
+        replies, reports, log = answers(srv, batch=page_size == 1), srv.reports(), srv.log()
+    assert f"FULL and SWA groups (hybrid SWA pool, window {WINDOW})" in log, log[-3000:]
+    assert reports == [] and "Traceback" not in log, log[-3000:]
+    stats = STATS_RE.findall(log)
+    assert stats and int(stats[-1][0]) > 0 and int(stats[-1][1]) > 0, log[-3000:]
+    check_swa_run(replies, log)
+    assert ids(replies) == ids(full_pool)
+
+
+@pytest.mark.parametrize("kind,mode,reason", [
+    ("swa_evicted_in_window", "abort", "index_out_of_range"),
+    ("swa_map_stale", "log", "verify_position"),
+])
+def test_faults_in_the_swa_map_are_reported(model_dir, tmp_path, kind, mode, reason):
+    """A map entry inside a request's window zeroed (evicted too early) or pointed at another SWA
+    slot (stale): reported on the SWA group within two steps, and the request that read it ends
+    with the canary's abort (mode log names it instead)."""
+    with server(model_dir, tmp_path, "--kv-canary", mode, *RATIO, "--kv-canary-inject", kind,
+                "--kv-canary-inject-step", "20", name=kind) as srv:
+        reply = srv.generate(PROMPT, 60, ignore_eos=True)
+        injected, reports, log = srv.injected(), srv.reports(), srv.log()
+    assert injected is not None and injected[0] == kind, log[-3000:]
+    swa = [r for r in reports if r[0].endswith("_SWA") and reason in r[1].split("+")]
+    assert swa and min(p for _, _, _, p in swa) <= injected[1] + 2, reports
+    assert all(r[0].endswith("_SWA") for r in reports), reports         # the FULL group is intact
+    if mode == "abort":
+        finish = reply["meta_info"]["finish_reason"]
+        assert finish["type"] == "abort" and finish["message"].startswith(
+            "kv-canary: request aborted"), finish
+    else:
+        assert re.search(rf"kv-canary: request rid={reply['meta_info']['id']} read KV", log)
+    assert "Traceback" not in log, log[-3000:]
