@@ -128,7 +128,7 @@ def test_canary_state_donated_and_kv_read_in_place(engine):
     batch.prepare_for_decode()
     mwb = batch.get_model_worker_batch(*engine.paddings, 1)
     fb = ForwardBatch.init_new(mwb, engine.runner)
-    hlo = c._check_fn.lower(c.state, step_arrays(fb), engine.kv_buffer[0],
+    hlo = c._check_fn.lower(c.state, step_arrays(fb), {"FULL": engine.kv_buffer[0]},
                             decode=True).compile().as_text()
     header = hlo.splitlines()[0]
     n_state = len(jax.tree_util.tree_leaves(c.state))
