@@ -19,21 +19,17 @@ import sgl_jax.launch_server  # noqa: E402,F401  (a broken install fails here, i
 from tests.integrations.replay import runner  # noqa: E402
 from tests.integrations.replay.__main__ import failures, table  # noqa: E402
 from tests.integrations.replay.bugs import BUGS  # noqa: E402
-from tests.support.tiny_qwen2 import write_tiny_qwen2  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("replay")
-    write_tiny_qwen2(str(path / "tiny-qwen2"))
-    return path
+    return tmp_path_factory.mktemp("replay")
 
 
 @pytest.mark.parametrize("key,busy", [("1504", (False, True)), ("994", (True,))])
 def test_replay(workdir, key, busy):
     bug = BUGS[key]
-    result = runner.run_bug(bug, str(workdir / "tiny-qwen2"), str(workdir),
-                            str(workdir / "logs" / key), phases=busy)
+    result = runner.run_bug(bug, str(workdir), str(workdir / "logs" / key), phases=busy)
     rows = runner.summarize(bug, result)
     print(table(rows))
     assert failures(rows) == [], table(rows)

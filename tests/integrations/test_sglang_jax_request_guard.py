@@ -164,3 +164,37 @@ def test_named_batch_rows_of_the_swa_group_follow_the_map_and_the_window():
     ])
     got = named_batch_rows(rows, arrays, decode=True, page_size=1, aligned=False, swa_window=3)
     assert got == {0: [0, 2], 1: [3]}
+
+
+@pytest.mark.parametrize("abort", [False, True])
+def test_an_engine_error_after_a_damaged_step_still_reports_it(abort, caplog):
+    """The engine's own error ends the scheduler's loop after a damaged step was launched and
+    before its results are processed (sglang-jax #1355 on the CPU: its "Out of memory" right
+    after a step read KV never written): the canary decodes that step first, names its request
+    (in either mode: no answer is left to abort) and says the engine's error ends the server;
+    the engine's error is the one raised."""
+    runner = serving_runner()
+    table = np.zeros((4, 16), np.int32)
+    table[1, :3], table[2, :3] = [1, 2, 3], [4, 5, 6]
+    sched = FakeScheduler(runner, [FakeReq("a", 1, 3), FakeReq("b", 2, 3)], table)
+
+    def event_loop_normal():
+        step(runner, sched, prefill(runner))
+        runner.jitted_run_model(decode(runner, 2, b_table=(2, 5, 6)), None)
+        raise RuntimeError("Out of memory. Try to lower your batch size.")
+
+    sched.event_loop_normal = event_loop_normal
+    logger = logging.getLogger(f"kvc-guard-engine-error-{abort}")
+    canary = kvc_sgl.install_into_scheduler(sched, CanaryConfig(mode="log", health_interval=0),
+                                            logger=logger, episodes=True)
+    guard = install_request_guard(sched, canary, logger, abort=abort,
+                                  finish_abort=lambda message: ("abort", message))
+    with caplog.at_level(logging.WARNING, logger=logger.name), \
+            pytest.raises(RuntimeError, match="Out of memory"):
+        sched.event_loop_normal()
+    assert guard.named == ["b"] and sched.seen == [{"a": None, "b": None}]
+    named = [m for m in caplog.messages if m.startswith("kv-canary: request rid=b ")]
+    assert len(named) == 1 and "at step 2: its KV slot(s) 2, 5 failed" in named[0]
+    assert named[0].endswith("the engine's own error ends the server before it answers")
+    assert caplog.messages[-1].startswith("kv-canary: the engine's scheduler raised RuntimeError; "
+                                          "the canary's last steps are reported above")

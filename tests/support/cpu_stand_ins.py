@@ -34,7 +34,11 @@ sliding layer's slots translated through the full-to-SWA map) and gives the nati
 sliding layers a ``cache_loc`` translated the same way. sglang-jax's own translation
 (``SWAKVPool._remap_swa_loc``) fails to trace on the CPU ("Resource axis: data of P('data',) is not
 found in mesh: ()": the map, a host numpy array, has no mesh; the slots are sharded over ``data``);
-the stand-in's indexes a replicated map with replicated slots.
+the stand-in's indexes a replicated map with replicated slots. And it hands each step a copy of
+the map, as the TPU path's transfer does: the map is a numpy leaf of the pool, which JAX on the CPU
+aliases, so under the overlap scheduler the next batch's allocations and frees rewrote the map
+while the step in flight read it (the ``cache-loc-alias`` problem again, seen as an occasional
+wrong answer with the canary silent: the canary checks the map as it was at the call).
 """
 
 from __future__ import annotations
@@ -202,6 +206,17 @@ def serve_swa_pool_on_cpu() -> None:
             return self.full_kv_pool.set_kv_buffer_legacy(index, loc, cache_k, cache_v)
 
         SWAKVPool.set_kv_buffer_legacy = set_kv_buffer_legacy
+
+    flatten = SWAKVPool.tree_flatten
+    if not getattr(flatten, "copies_map", False):
+        def tree_flatten(self):
+            """The pool's leaves, the full-to-SWA map(s) copied (the leaves after the two pools)."""
+            children, aux = flatten(self)
+            maps = tuple(None if m is None else np.array(m, copy=True) for m in children[2:])
+            return children[:2] + maps, aux
+
+        tree_flatten.copies_map = True
+        SWAKVPool.tree_flatten = tree_flatten
 
     attend = NativeAttention.__call__
     if getattr(attend, "reads_swa_slots", False):

@@ -21,8 +21,6 @@ import sys
 import tempfile
 import time
 
-from tests.support.tiny_qwen2 import write_tiny_qwen2
-
 from . import builds, runner, twins
 from .bugs import BUGS
 
@@ -31,7 +29,8 @@ COLUMNS = [("bug", "bug"), ("load", "load"), ("requests", "requests"),
            ("aborts", "aborted (before a wrong token)"), ("errors", "no answer"),
            ("log", "log mode: damaged / named / named but right"),
            ("first_step", "first detection (step)"),
-           ("fixed", "fixed build: damaged / rows / aborts")]
+           ("fixed", "fixed build: damaged / rows / aborts"),
+           ("server", "bug build's server")]
 
 
 def table(rows) -> str:
@@ -43,7 +42,8 @@ def table(rows) -> str:
                              f"{r['log_named_right']}"),
                      aborts=f"{r['aborted']} ({r['aborted_early']})",
                      fixed=f"{r['fixed_damaged']} / {r['fixed_rows']} / {r['fixed_aborts']}",
-                     first_step="-" if r["first_step"] is None else r["first_step"])
+                     first_step="-" if r["first_step"] is None else r["first_step"],
+                     server="ended by the engine" if r["bug_died"] else "served on")
         lines.append("| " + " | ".join(str(cells[k]) for k, _ in COLUMNS) + " |")
     return "\n".join(lines)
 
@@ -59,10 +59,12 @@ def failures(rows) -> list:
                           ("fixed_rows", "violation rows on the fixed build"),
                           ("fixed_aborts", "aborts on the fixed build"),
                           ("errors", "requests without an answer")):
-            if r[key]:
+            if r[key] and not (key == "errors" and r["ends_server"]):
                 out.append(f"{where}: {r[key]} {what}")
-        if r["died"]:
-            out.append(f"{where}: a server died or logged a traceback")
+        if r["fixed_died"]:
+            out.append(f"{where}: the fixed build's server died or logged a traceback")
+        if r["bug_died"] and not r["ends_server"]:
+            out.append(f"{where}: the bug build's server died or logged a traceback")
     return out
 
 
@@ -82,18 +84,15 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     workdir = a.workdir or tempfile.mkdtemp(prefix="kvc-replay-")
     logs = a.logs or os.path.join(workdir, "logs")
-    model = os.path.join(workdir, "tiny-qwen2")
-    if not os.path.exists(os.path.join(model, "config.json")):
-        write_tiny_qwen2(model)
     phases = {"both": (False, True), "idle": (False,), "busy": (True,)}[a.load]
     print(f"sglang-jax: {builds.installed_package()}; workdir {workdir}", flush=True)
     if a.what == "twins":
-        return run_twins(a, model, workdir, logs)
+        return run_twins(a, runner.model_path(workdir, "tiny-qwen2"), workdir, logs)
     rows, details = [], []
     for key in a.bugs:
         bug = BUGS[key]
         t0 = time.monotonic()
-        result = runner.run_bug(bug, model, workdir, os.path.join(logs, key), phases, a.bursts)
+        result = runner.run_bug(bug, workdir, os.path.join(logs, key), phases, a.bursts)
         got = runner.summarize(bug, result)
         rows += got
         details.append({"bug": key, "upstream": bug.upstream, "damages": bug.damages,

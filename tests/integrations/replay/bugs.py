@@ -60,6 +60,11 @@ class Bug:
         CPU stand-ins of sglang-jax's TPU-only kernels for features that need them).
       pd: a PD setup instead of one server (prefill and decode engines both with
         ``engine_args`` and the canary, requests through the router).
+      model: the tiny model served (``runner.MODELS``).
+      ends_server: how the engine itself ends the bug's server after the damage (an error of its
+        own, canary on or off), or "" when the bug's server serves on. Where set, that end and
+        the requests it leaves unanswered are expected of the bug's build, never of the fixed
+        build; every answer delivered before it is held to the same promise.
     """
 
     key: str
@@ -71,6 +76,8 @@ class Bug:
     workload: Workload = Workload()
     launcher: str = LAUNCHER
     pd: bool = False
+    model: str = "tiny-qwen2"
+    ends_server: str = ""
 
 
 BUGS: Dict[str, Bug] = {b.key: b for b in (
@@ -101,4 +108,14 @@ BUGS: Dict[str, Bug] = {b.key: b for b in (
         engine_args(page_size="128", disable_radix_cache=(), chunked_prefill_size="256",
                     precompile_token_paddings="256"),
         workload=Workload(new_tokens=8, sequence=PD_SEQUENCE), launcher=STAND_INS, pd=True),
+    Bug("1355", "#1266 / PR #1355 (in main's add_chunked_req)",
+        "hybrid SWA: a chunked prompt's uncomputed tail taken as its cached prefix when the SWA "
+        "pool has no budget for its next chunk",
+        "1355-swa-chunked-fill-ids-kept.patch",
+        engine_args(swa_full_tokens_ratio="0.05"),
+        workload=Workload(new_tokens=40, shared_prefixes=4), launcher=STAND_INS,
+        model="tiny-gemma2",
+        ends_server="the radix tree then holds slots the request never wrote and frees them, "
+                    "and the engine's own checks end the scheduler (its memory-leak check, or "
+                    "'Out of memory' when the SWA pool's count has gone wrong)"),
 )}

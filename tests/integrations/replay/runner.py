@@ -14,6 +14,10 @@ For a ``bugs.Bug``:
 4. **The fixed build in mode ``abort``**: the same phases; it must give no damaged answer, no
    violation row and no abort.
 
+A bug whose damage makes the engine end the server by itself (``Bug.ends_server``) is allowed
+that end and the requests it leaves unanswered on its own build; every answer it delivered is
+held to the same promise, and its fixed build must serve every request.
+
 Servers are the launcher's (``tests.support.sglang_server.Server``) on 127.0.0.1, stopped by their
 process group; a PD bug runs a whole PD setup instead (``tests.support.pd_cluster``: prefill and
 decode servers guarded alike, requests through its router, both logs read). The load is two busy
@@ -38,6 +42,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from tests.support.pd_cluster import PDCluster
 from tests.support.sglang_server import LAUNCHER, Server
+from tests.support.tiny_gemma2 import write_tiny_gemma2
+from tests.support.tiny_qwen2 import write_tiny_qwen2
 
 from . import builds
 
@@ -50,6 +56,18 @@ NAMED_RE = re.compile(r"kv-canary: (?:aborting request|request) rid=(\S+) (?:rea
                       r"the canary )?at step (\d+)")
 ROWS_RE = re.compile(r"kv_canary episode \d+ ended: .* rows=(\d+) ")
 ABORT_RE = re.compile(r"kv-canary: aborting request rid=")
+
+
+#: the tiny models a replay can serve, by name: what writes each (random weights, nothing downloaded)
+MODELS = {"tiny-qwen2": write_tiny_qwen2, "tiny-gemma2": write_tiny_gemma2}
+
+
+def model_path(workdir: str, name: str) -> str:
+    """The directory of the tiny model ``name`` (``MODELS``) under ``workdir``, written once."""
+    path = os.path.join(workdir, name)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        MODELS[name](path)
+    return path
 
 
 def words(rng, lo: int, hi: int) -> str:
@@ -161,8 +179,8 @@ def classify(reply, reference: List[int]) -> str:
     """``right``, ``silent`` (damaged, delivered as a success), ``aborted`` (aborted, and what it
     delivered already differs from the reference), ``aborted_early`` (aborted before any wrong
     token: what it delivered is right so far) or ``error`` (no HTTP answer)."""
-    if isinstance(reply, Exception) or reply is None:
-        return "error"
+    if isinstance(reply, Exception) or reply is None or "output_ids" not in reply:
+        return "error"                     # no answer (an error body when the engine has ended)
     out = reply["output_ids"]
     if reply["meta_info"]["finish_reason"]["type"] == "abort":
         return "aborted_early" if out == reference[:len(out)] else "aborted"
@@ -226,8 +244,8 @@ def reference_answers(model_dir: str, engine_args: Sequence[str], workload: Work
     """The stock answers of the build with ``fixtures`` (the fixed build) to every prompt of the
     phases, one at a time (cached in ``workdir`` by build, engine arguments and workload), by
     ``prompt_key``."""
-    key = json.dumps([list(fixtures), list(engine_args), dataclasses.asdict(workload),
-                      list(phases), launcher, pd])
+    key = json.dumps([os.path.basename(model_dir), list(fixtures), list(engine_args),
+                      dataclasses.asdict(workload), list(phases), launcher, pd])
     path = os.path.join(workdir, f"reference-{hashlib.sha1(key.encode()).hexdigest()[:10]}.json")
     if os.path.exists(path):
         with open(path) as f:
@@ -251,13 +269,16 @@ def reference_answers(model_dir: str, engine_args: Sequence[str], workload: Work
 def run_server(build: builds.Build, label: str, mode: str, model_dir: str,
                engine_args: Sequence[str], canary_args: Sequence[str], workload: Workload,
                phases: Sequence[bool], reference: Dict[str, list], log_dir: str,
-               launcher: str = LAUNCHER, pd: bool = False) -> List[PhaseResult]:
+               launcher: str = LAUNCHER, pd: bool = False,
+               first_seed: int = 0) -> List[PhaseResult]:
     """One guarded server (or PD setup) of ``build`` in ``mode``; one ``PhaseResult`` per phase
-    (``phases``: whether each runs under ``CpuLoad``)."""
+    (``phases``: whether each runs under ``CpuLoad``; the phases' prompts are those of seeds
+    ``first_seed``, ``first_seed + 1``, ...)."""
     results = []
+    name = f"{label}-{mode}" + (f"-{first_seed}" if first_seed else "")
     with serving(model_dir, engine_args, ["--kv-canary", mode, *canary_args], log_dir,
-                 f"{label}-{mode}", build.env, launcher, pd) as (srv, logs, died):
-        for seed, loaded in enumerate(phases):
+                 name, build.env, launcher, pd) as (srv, logs, died):
+        for seed, loaded in enumerate(phases, start=first_seed):
             res = PhaseResult(label, mode, loaded)
             start = [len(text) for text in logs()]
             with (CpuLoad() if loaded else _Nothing()):
@@ -289,23 +310,29 @@ class _Nothing:
         return False
 
 
-def run_bug(bug, model_dir: str, workdir: str, log_dir: str, phases: Sequence[bool],
+def run_bug(bug, workdir: str, log_dir: str, phases: Sequence[bool],
             bursts: Optional[int] = None) -> dict:
-    """Replay ``bug`` (a ``bugs.Bug``); returns its results (``summarize`` reads them)."""
+    """Replay ``bug`` (a ``bugs.Bug``) with its model written under ``workdir``; returns its
+    results (``summarize`` reads them)."""
     workload = bug.workload if bursts is None else dataclasses.replace(bug.workload, bursts=bursts)
+    model_dir = model_path(workdir, bug.model)
     os.makedirs(log_dir, exist_ok=True)
     reference = reference_answers(model_dir, bug.engine_args, workload, phases, workdir, log_dir,
                                   launcher=bug.launcher, pd=bug.pd)
     bug_build = builds.make_build(workdir, (bug.patch,))
     fixed = builds.make_build(workdir, ())
     out = {"bug": bug.key, "phases": []}
+    # a bug that ends its server gets a server per phase, so that each phase is replayed
+    runs = ([(phases, 0)] if not bug.ends_server
+            else [((loaded,), seed) for seed, loaded in enumerate(phases)])
     for build, label, mode in ((bug_build, "bug", "abort"), (bug_build, "bug", "log"),
                                (fixed, "fixed", "abort")):
-        for res in run_server(build, f"{bug.key}-{label}", mode, model_dir, bug.engine_args,
-                              bug.canary_args, workload, phases, reference, log_dir,
-                              launcher=bug.launcher, pd=bug.pd):
-            res.build = label
-            out["phases"].append(res)
+        for run_phases, first_seed in runs:
+            for res in run_server(build, f"{bug.key}-{label}", mode, model_dir, bug.engine_args,
+                                  bug.canary_args, workload, run_phases, reference, log_dir,
+                                  launcher=bug.launcher, pd=bug.pd, first_seed=first_seed):
+                res.build = label
+                out["phases"].append(res)
     return out
 
 
@@ -325,5 +352,6 @@ def summarize(bug, result: dict) -> List[dict]:
             log_damaged=lg.damaged, log_unnamed=lg.unnamed_damaged, log_named_right=lg.named_right,
             first_step=ab.first_step if ab.first_step is not None else lg.first_step,
             fixed_damaged=fx.damaged, fixed_rows=fx.rows, fixed_aborts=fx.aborts,
-            died=any(r.server_died for r in (ab, lg, fx))))
+            bug_died=ab.server_died or lg.server_died, fixed_died=fx.server_died,
+            ends_server=bool(bug.ends_server)))
     return rows

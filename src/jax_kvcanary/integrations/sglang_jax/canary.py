@@ -140,6 +140,9 @@ class StepRecord(NamedTuple):
 
 #: launches whose ``StepRecord`` is kept (the readback runs at most a few steps behind)
 KEPT_STEP_RECORDS = 16
+#: how long the report before an engine error waits for the batch last handed to the forward
+#: (the overlap scheduler's forward thread) to reach the canary's launch, in seconds
+LAUNCH_WAIT_S = 3.0
 
 
 class IdleReporter:
@@ -291,12 +294,14 @@ class SglangJaxCanary:
         self.step_hooks = []                         # f(forward_batch), before each step
         self.violation_hooks = []                    # f(new violations), after each readback
         self.gate_hooks = []                         # f(batch, step), after gate()
+        self.end_hooks = []                          # f(), when the engine's error ends the server
         self.gated = False                           # a scheduler hook calls gate() per batch
         self.host_tier = None                        # hicache.HostRecords, with HiCache
         self.transfer = None                         # pd.TransferRecords, on a PD server
         self.records = collections.OrderedDict()     # monitor step -> StepRecord
         self._bid_steps = {}                         # batch id -> monitor step of its launch
         self.launches = 0                            # batches the scheduler hook has seen
+        self._forwarded_bid = None                   # the batch id last handed to the forward
         self.steps = self.sweeps = 0
         self.warming = False                         # inside precompile: nothing is reported
         self.host_time = HostTime()                  # the canary's own time in each step
@@ -510,7 +515,9 @@ class SglangJaxCanary:
 
     def before_forward(self, model_worker_batch) -> None:
         """The tp worker hook (``install_into_scheduler``), in the scheduler's thread: the batch
-        being launched has got its batch id; the step with that id applies its host tokens."""
+        being launched has got its batch id (kept: ``report_before_engine_error`` waits for its
+        launch); the step with that id applies its host tokens."""
+        self._forwarded_bid = getattr(model_worker_batch, "bid", None)
         chunks, self._launch_tokens = self._launch_tokens, None
         if chunks is not None:
             self.tokens.expect(model_worker_batch.bid, chunks)
@@ -676,6 +683,31 @@ class SglangJaxCanary:
                 self.monitor.close_episodes()
             return True
 
+    def report_before_engine_error(self, error: BaseException) -> None:
+        """The engine's scheduler loop raised ``error``, which ends the server: report what the
+        canary's last steps found first (waiting on their readback, ending the open episodes),
+        so that a KV fault that led to the engine's own error is not lost with the process. A
+        failure here is logged; it never replaces the engine's error."""
+        try:
+            bid, deadline = self._forwarded_bid, time.monotonic() + LAUNCH_WAIT_S
+            while (bid is not None and int(bid) not in self._bid_steps
+                   and time.monotonic() < deadline):
+                time.sleep(0.01)               # the overlap forward thread has yet to launch it
+            with self._monitor_lock:
+                if self.warming or self.monitor is None:
+                    return
+                new = self.monitor.flush(close_episodes=False) if self.monitor.pending else []
+                self._after_readback(new + self._recycle_ring())
+                self.monitor.close_episodes()
+            for hook in self.end_hooks:
+                hook()
+            self.logger.error("kv-canary: the engine's scheduler raised %s; the canary's last "
+                              "steps are reported above (%d violation row(s) since start)",
+                              type(error).__name__, CanaryTotals.read(self).total_violations)
+        except Exception as e:  # noqa: BLE001 (the engine's error is the one that ends the server)
+            self.logger.error("kv-canary: reporting the last steps before the engine's error "
+                              "failed (%s: %s)", type(e).__name__, e)
+
     def flush(self):
         """Report what the last step's readback holds (blocks on it); returns new violations."""
         with self._monitor_lock:
@@ -733,17 +765,32 @@ def install_into_scheduler(scheduler, config: CanaryConfig, **kw) -> Optional[Sg
         return run_batch(batch, *args, **kwargs)
 
     scheduler.run_batch = run_batch_with_canary
+    for name in ("event_loop_normal", "event_loop_overlap"):
+        loop = getattr(scheduler, name, None)
+        if loop is not None:
+            setattr(scheduler, name, _reporting_before_errors(loop, canary))
     gate_before_results(scheduler, canary)
-    if canary.tokens is not None:
-        worker = scheduler.tp_worker
-        forward_batch_generation = worker.forward_batch_generation
+    worker = scheduler.tp_worker
+    forward_batch_generation = worker.forward_batch_generation
 
-        def forward_batch_generation_with_canary(model_worker_batch, *args, **kwargs):
-            canary.before_forward(model_worker_batch)
-            return forward_batch_generation(model_worker_batch, *args, **kwargs)
+    def forward_batch_generation_with_canary(model_worker_batch, *args, **kwargs):
+        canary.before_forward(model_worker_batch)
+        return forward_batch_generation(model_worker_batch, *args, **kwargs)
 
-        worker.forward_batch_generation = forward_batch_generation_with_canary
+    worker.forward_batch_generation = forward_batch_generation_with_canary
     return canary
+
+
+def _reporting_before_errors(loop, canary: SglangJaxCanary):
+    """The scheduler's event loop ``loop``, reporting the canary's last steps when it raises."""
+    def event_loop(*args, **kwargs):
+        try:
+            return loop(*args, **kwargs)
+        except BaseException as e:
+            canary.report_before_engine_error(e)
+            raise
+
+    return event_loop
 
 
 def gate_before_results(scheduler, canary: SglangJaxCanary) -> None:

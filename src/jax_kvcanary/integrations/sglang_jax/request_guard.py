@@ -297,6 +297,26 @@ class RequestGuard:
                 if rp in by_rp:
                     self._act(by_rp[rp], s, why)
 
+    def before_engine_error(self) -> None:
+        """The engine's own error is ending the server (``SglangJaxCanary.report_before_engine_
+        error`` has decoded the last launches): name in the log every request the rows not acted
+        on yet name, in either mode (there is no answer left to abort)."""
+        with self._lock:
+            due, self._rows = self._rows, []
+        by_rp = {int(req.req_pool_idx): req for req in running_requests(self.scheduler)
+                 if req.req_pool_idx is not None}
+        named: Dict[int, list] = {}
+        for s in sorted({v.launch_step or 0 for v in due}):
+            self._name(s, [v for v in due if (v.launch_step or 0) == s], by_rp, named)
+        for req, vs in named.values():
+            if req.rid not in self._named_rids:
+                self._named_rids.add(req.rid)
+                self.named.append(req.rid)
+                self.logger.warning("kv-canary: request rid=%s read KV that failed the canary at "
+                                    "step %d: its %s; the engine's own error ends the server "
+                                    "before it answers", req.rid,
+                                    min(v.launch_step or 0 for v in vs), describe(vs))
+
     def _name(self, step: int, violations: list, by_rp: dict, named: dict) -> None:
         """Add the requests ``violations`` (rows of launch ``step``) name to ``named``
         (``id(req) -> (req, [violations])``)."""
@@ -403,6 +423,7 @@ def install_request_guard(scheduler, canary, logger: logging.Logger, abort: bool
     guard = RequestGuard(scheduler, canary, logger, abort, **kw)
     canary.violation_hooks.append(guard.on_violations)
     canary.gate_hooks.append(guard.after_gate)
+    canary.end_hooks.append(guard.before_engine_error)
     if abort:
         get_next = scheduler.get_next_batch_to_run
 
