@@ -12,7 +12,8 @@ import re
 
 import pytest
 
-from tests.support.sglang_server import TINY_ENGINE_ARGS, Server, installed_sglang_jax
+from tests.support.sglang_server import (TINY_ENGINE_ARGS, Server, check_acted_on,
+                                        installed_sglang_jax)
 
 pytestmark = pytest.mark.integration
 if installed_sglang_jax() != "main":
@@ -94,9 +95,4 @@ def test_faults_on_fa_are_reported(model_dir, tmp_path, kind, page_size, mode):
         injected, reports, log = srv.injected(), srv.reports(), srv.log()
     assert injected is not None and injected[0] == kind, log[-3000:]
     assert reports and min(p for _, _, _, p in reports) <= injected[1] + 2, reports
-    if mode == "abort":
-        reason = reply["meta_info"]["finish_reason"]
-        assert reason["type"] == "abort" and reason["message"].startswith(
-            "kv-canary: request aborted"), reason
-    else:
-        assert re.search(rf"kv-canary: request rid={reply['meta_info']['id']} read KV", log)
+    check_acted_on(mode, reply, log)

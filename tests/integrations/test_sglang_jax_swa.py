@@ -13,7 +13,8 @@ import re
 
 import pytest
 
-from tests.support.sglang_server import TINY_ENGINE_ARGS, Server, installed_sglang_jax
+from tests.support.sglang_server import (TINY_ENGINE_ARGS, Server, check_acted_on,
+                                        installed_sglang_jax)
 
 pytestmark = pytest.mark.integration
 if installed_sglang_jax() != "main":
@@ -129,10 +130,5 @@ def test_faults_in_the_swa_map_are_reported(model_dir, tmp_path, kind, mode, rea
     swa = [r for r in reports if r[0].endswith("_SWA") and reason in r[1].split("+")]
     assert swa and min(p for _, _, _, p in swa) <= injected[1] + 2, reports
     assert all(r[0].endswith("_SWA") for r in reports), reports         # the FULL group is intact
-    if mode == "abort":
-        finish = reply["meta_info"]["finish_reason"]
-        assert finish["type"] == "abort" and finish["message"].startswith(
-            "kv-canary: request aborted"), finish
-    else:
-        assert re.search(rf"kv-canary: request rid={reply['meta_info']['id']} read KV", log)
+    check_acted_on(mode, reply, log)
     assert "Traceback" not in log, log[-3000:]

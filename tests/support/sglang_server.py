@@ -166,6 +166,18 @@ class Server:
                                              "max_tokens": max_tokens, "temperature": 0})
 
 
+def check_acted_on(mode: str, reply: dict, log: str) -> None:
+    """A reply whose request read KV the canary reported: aborted with the canary's message (mode
+    ``abort``), or its request named in the server ``log`` (mode ``log``)."""
+    if mode == "abort":
+        finish = reply["meta_info"]["finish_reason"]
+        assert finish["type"] == "abort" and finish["message"].startswith(
+            "kv-canary: request aborted"), finish
+    else:
+        assert re.search(rf"kv-canary: request rid={reply['meta_info']['id']} read KV", log), \
+            log[-3000:]
+
+
 def installed_sglang_jax() -> Optional[str]:
     """Which sglang-jax is installed, without importing it (importing it imports flax, whose
     switches sglang-jax 0.0.2 needs set first): None, ``'main'`` (its runner has ``MemoryPools``)
