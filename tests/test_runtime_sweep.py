@@ -83,3 +83,23 @@ def test_sweep_detects_cached_kv_corruption():
     assert [(v.tag_name, v.slot, v.position, v.reasons) for v in vs] == [
         ("SWEEP_K_FULL", 5, 2, ("verify_real_kv_hash",)),
         ("SWEEP_V_FULL", 5, 2, ("verify_real_kv_hash",))]
+
+
+def test_a_sweep_covers_the_groups_its_plans_name():
+    """A FULL-only sweep on FULL + SWA endpoints (a radix cache holds full-pool slots): only the
+    FULL tags run; a plan for a group the endpoints lack is refused."""
+    cfg = CanaryConfig(groups=("FULL", "SWA"), swa_window_size=4, sweep_interval=1,
+                       real_kv_hash_mode="NONE")
+    ep = CanaryEndpoints(cfg, num_slots=16, write_req_capacity=1, verify_capacity=16,
+                         swa_num_slots=8)
+    st = ep.init_state()
+    plans = {"FULL": build_sweep_plan([(3, 0, -1), (4, 1, 3)])}
+    st = jax.jit(lambda st, plans: ep.sweep(st, plans))(st, plans)
+    runs = st.log.kernel_runs()
+    assert runs[T.SWEEP_K_FULL] == runs[T.SWEEP_V_FULL] == 1
+    assert runs[T.SWEEP_K_SWA] == runs[T.SWEEP_V_SWA] == 0
+    with pytest.raises(ValueError, match=r"sweep plans must name groups of \['FULL'\], got "
+                                         r"\['SWA'\]"):
+        CanaryEndpoints(CanaryConfig(sweep_interval=1, real_kv_hash_mode="NONE"), num_slots=16,
+                        write_req_capacity=1,
+                        verify_capacity=16).sweep(ep.init_state(), {"SWA": plans["FULL"]})

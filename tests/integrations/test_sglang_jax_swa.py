@@ -36,6 +36,7 @@ SWA_POOL_RE = re.compile(r"Use Sliding window memory pool\. full_layer_tokens=(\
 DECODE_RE = re.compile(r"Decode batch\. #running-req: \d+, #full token: (\d+), "
                        r"full token usage: [\d.]+, #swa token: (\d+)")
 STATS_RE = re.compile(r"kv_canary stats: .* HEAD_K_SWA=verified:(\d+),written:(\d+)")
+SWEPT_RE = re.compile(r"kv_canary stats: .* SWEEP_K_FULL=verified:(\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -96,20 +97,24 @@ def test_the_swa_pool_stand_in_answers_as_one_full_pool(model_dir, full_pool, tm
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_the_hybrid_swa_pool_is_guarded_with_the_stock_tokens(model_dir, full_pool, tmp_path,
                                                               page_size):
-    """The canary on the hybrid pool, with the write-input assert and the token check: both
-    groups checked every step (the SWA group in its own slot space, through the step's map, its
-    window's positions required to be in the SWA pool), the stock tokens, no report. At page size
+    """The canary on the hybrid pool, with the write-input assert, the token check and sweeps:
+    both groups checked every step (the SWA group in its own slot space, through the step's map,
+    its window's positions required to be in the SWA pool), the SWA radix cache's full-pool slots
+    swept (the FULL group only), the stock tokens, no report. At page size
     4 the pair goes one request at a time: a batch there is where sglang-jax's native backend reads
     the page-aligned table at unaligned offsets, which the canary reports (README;
     ``test_sglang_jax_server.test_page_size_4``)."""
     with server(model_dir, tmp_path, "--kv-canary", "log", "--kv-canary-stats-interval", "50",
                 "--kv-canary-write-input-assert", "--kv-canary-token-check", *RATIO,
-                "--page-size", str(page_size), name=f"swa-guarded-{page_size}") as srv:
+                "--kv-canary-sweep-interval", "16", "--page-size", str(page_size),
+                name=f"swa-guarded-{page_size}") as srv:
         replies, reports, log = answers(srv, batch=page_size == 1), srv.reports(), srv.log()
     assert f"FULL and SWA groups (hybrid SWA pool, window {WINDOW})" in log, log[-3000:]
     assert reports == [] and "Traceback" not in log, log[-3000:]
     stats = STATS_RE.findall(log)
     assert stats and int(stats[-1][0]) > 0 and int(stats[-1][1]) > 0, log[-3000:]
+    swept = SWEPT_RE.findall(log)
+    assert swept and int(swept[-1]) > 0 and "SWEEP_K_SWA" not in log, log[-3000:]
     check_swa_run(replies, log)
     assert ids(replies) == ids(full_pool)
 

@@ -356,16 +356,24 @@ class CanaryEndpoints:
 
         Args:
           state: the ``CanaryState``.
-          plans: ``{group: VerifyPlan}``, e.g. from ``sweep.build_group_sweep_plans``.
+          plans: ``{group: VerifyPlan}``, e.g. from ``sweep.build_group_sweep_plans``: the groups
+            it names are swept (e.g. only FULL, whose slots a radix cache holds as they are).
           real_kv: as for ``tail``.
 
         Returns:
           The updated ``CanaryState``.
+
+        Raises:
+          ValueError: ``plans`` names a group these endpoints do not have.
         """
         kvc = _kvc()
         real_kv = real_kv or {}
+        unknown = sorted(set(plans) - set(self.groups))
+        if unknown:
+            raise ValueError(f"kv-canary: sweep plans must name groups of {list(self.groups)}, "
+                             f"got {unknown}")
         log = state.log
-        for g in self.groups:
+        for g in (g for g in self.groups if g in plans):
             sources = self._sources(real_kv, g, "SWEEP")
             for h in self.halves:
                 tag = launch_tag("SWEEP", h, g)

@@ -18,7 +18,7 @@ and fa attention backends, ``--enable-single-process``, the AOT dispatcher, tens
 (main: one canary state per device of the ``tensor`` axis, each checking its own KV heads), the
 write-input assert and the token check (main: ``tokens``).
 The KV pools of ``pools.GUARDED`` (``MHATokenToKVPool``: every model served with it, MLA on the
-native backend too; ``SWAKVPool``: FULL and SWA groups, native backend, one device, no sweeps).
+native backend too; ``SWAKVPool``: FULL and SWA groups, native backend, one device).
 Refused before start (``server.refusals``, ``server.model_refusals``): several nodes, data
 parallelism, speculative decoding, LoRA, multimodal, PD with Raiden / D2H / tensor parallelism,
 HiCache's L3 tier, what the SWA guard lacks (``pools.swa_refusals``) and the other KV pools (MLA

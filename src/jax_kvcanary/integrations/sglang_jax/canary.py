@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ...runtime.config import CanaryConfig
+from ...runtime.config import CanaryConfig, launch_tag
 from ...runtime.endpoints import CanaryEndpoints
 from ...runtime.episodes import EpisodeLog
 from ...runtime.monitor import Monitor, counter_snapshot
@@ -109,6 +109,11 @@ def radix_chains(tree_cache) -> np.ndarray:
             stack.append((child, depth + n, int(slots[-1])))
     return np.concatenate(out) if out else np.zeros((0, 3), np.int64)
 
+
+#: the groups a sweep of the radix cache checks: its nodes hold their tokens' full-pool slots (a
+#: hybrid SWA pool's tree too, tombstoned nodes included); SWA slots live inside the requests'
+#: windows, where every step checks them
+SWEPT_GROUPS = ("FULL",)
 
 #: the engine's tensor-parallel mesh axis (sglang-jax shards the fused KV buffer's heads over it)
 TP_AXIS = "tensor"
@@ -267,9 +272,9 @@ class SglangJaxCanary:
                              "sweep_interval=0")
         self.layout = runner_layout(runner)
         if "SWA" in self.layout.groups:              # a hybrid sliding-window pool: both groups
-            if int(dict(runner.mesh.shape).get(TP_AXIS, 1)) > 1 or config.sweep_interval:
-                raise ValueError("kv-canary: a hybrid SWA pool is guarded with --tp-size 1 and "
-                                 "without sweeps (pools.swa_refusals)")
+            if int(dict(runner.mesh.shape).get(TP_AXIS, 1)) > 1:
+                raise ValueError("kv-canary: a hybrid SWA pool is guarded with --tp-size 1 "
+                                 "(pools.swa_refusals)")
             config = dataclasses.replace(config, groups=self.layout.groups,
                                          swa_window_size=self.layout.swa_window)
         self.runner = runner
@@ -342,8 +347,11 @@ class SglangJaxCanary:
         self.state = jax.device_put(init, self._state_sharding())
         c = self.config
         # the stats line is the canary's own (``stats``); the monitor decodes the counters for it
+        unswept = {launch_tag("SWEEP", h, g) for g in c.groups if g not in SWEPT_GROUPS
+                   for h in c.halves}
         self.monitor = Monitor(c.mode, health_interval=c.health_interval,
-                               expected_tags=c.expected_tags(), logger=self.logger,
+                               expected_tags=[t for t in c.expected_tags() if t not in unswept],
+                               logger=self.logger,
                                episodes=EpisodeLog() if self.episodes else None,
                                counters_interval=c.stats_interval or (
                                    COUNTERS_INTERVAL if self.metrics is not None else 0))
@@ -494,7 +502,7 @@ class SglangJaxCanary:
         against the tail canaries (SWEEP tags, on that step's layer-0 KV). Call it where the radix
         tree is consistent (the scheduler's thread, between batches); returns the slots collected."""
         chains = radix_chains(self.tree_cache)
-        plans = build_group_sweep_plans(chains, ("FULL",))
+        plans = build_group_sweep_plans(chains, SWEPT_GROUPS)
         with self._sweep_lock:
             self._pending_sweep = plans
         return int(chains.shape[0])

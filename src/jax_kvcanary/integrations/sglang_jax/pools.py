@@ -41,7 +41,7 @@ def refusal(pool_class: str) -> Optional[str]:
 
 
 #: what the canary does not guard yet with the hybrid sliding-window pool: (setting, why, fix)
-def swa_refusals(server_args, sweep_interval: int) -> list:
+def swa_refusals(server_args) -> list:
     """``(setting, why, fix)`` of each server setting the canary refuses with ``SWAKVPool``."""
     a, out = server_args, []
     keep = "or add --disable-hybrid-swa-memory (one MHA pool)"
@@ -57,10 +57,6 @@ def swa_refusals(server_args, sweep_interval: int) -> list:
     if getattr(a, "hicache_storage", "disable") not in (None, "disable"):
         out.append((f"--hicache-storage {a.hicache_storage} with a hybrid SWA pool",
                     "SWA records do not travel to the host tier yet", keep))
-    if sweep_interval:
-        out.append((f"--kv-canary-sweep-interval {sweep_interval} with a hybrid SWA pool",
-                    "sweeps of the SWA radix cache are not written yet",
-                    "use --kv-canary-sweep-interval 0"))
     return out
 
 

@@ -141,9 +141,8 @@ def model_refusals(server_args, config: Optional[CanaryConfig] = None,
                 f"{pool}: that fault is planted in a hybrid SWA pool's full-to-SWA map; serve a "
                 "sliding-window model without --disable-hybrid-swa-memory"]
     if pool == "SWAKVPool":
-        sweeps = config.sweep_interval if config is not None else 0
         return [f"kv-canary: {setting} is not supported: {why}; {fix}"
-                for setting, why, fix in pools.swa_refusals(server_args, sweeps)]
+                for setting, why, fix in pools.swa_refusals(server_args)]
     return []
 
 
