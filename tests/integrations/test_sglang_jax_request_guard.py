@@ -198,3 +198,24 @@ def test_an_engine_error_after_a_damaged_step_still_reports_it(abort, caplog):
     assert named[0].endswith("the engine's own error ends the server before it answers")
     assert caplog.messages[-1].startswith("kv-canary: the engine's scheduler raised RuntimeError; "
                                           "the canary's last steps are reported above")
+
+
+def test_the_canary_s_own_error_is_not_reported_as_the_engine_s(caplog):
+    """Mode ``raise`` and a failed health check end the loop with the canary's own error, whose
+    report is made already: no "the engine's scheduler raised" line."""
+    from jax_kvcanary.runtime.errors import CanaryHealthError
+
+    runner = serving_runner()
+    sched = FakeScheduler(runner, [], np.zeros((4, 16), np.int32))
+
+    def event_loop_normal():
+        raise CanaryHealthError("kv-canary: health check failed at step 17")
+
+    sched.event_loop_normal = event_loop_normal
+    logger = logging.getLogger("kvc-guard-own-error")
+    kvc_sgl.install_into_scheduler(sched, CanaryConfig(mode="log", health_interval=0),
+                                   logger=logger)
+    with caplog.at_level(logging.WARNING, logger=logger.name), \
+            pytest.raises(CanaryHealthError):
+        sched.event_loop_normal()
+    assert caplog.messages == []

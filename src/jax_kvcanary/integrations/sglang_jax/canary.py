@@ -62,6 +62,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ...runtime.config import CanaryConfig, launch_tag
 from ...runtime.endpoints import CanaryEndpoints
 from ...runtime.episodes import EpisodeLog
+from ...runtime.errors import CanaryHealthError, CanaryViolationError
 from ...runtime.monitor import Monitor, counter_snapshot
 from ...runtime.multidevice import global_view, local_view
 from ...runtime.sweep import DEFAULT_MIN_CAPACITY, bucket_capacity, build_group_sweep_plans
@@ -790,10 +791,14 @@ def install_into_scheduler(scheduler, config: CanaryConfig, **kw) -> Optional[Sg
 
 
 def _reporting_before_errors(loop, canary: SglangJaxCanary):
-    """The scheduler's event loop ``loop``, reporting the canary's last steps when it raises."""
+    """The scheduler's event loop ``loop``, reporting the canary's last steps when the engine's
+    own error ends it (the canary's errors, mode ``raise`` and a failed health check, come with
+    their report already)."""
     def event_loop(*args, **kwargs):
         try:
             return loop(*args, **kwargs)
+        except (CanaryViolationError, CanaryHealthError):
+            raise
         except BaseException as e:
             canary.report_before_engine_error(e)
             raise
