@@ -409,7 +409,7 @@ class SglangJaxCanary:
                                                 cap.bit_length())):
                     plans = build_group_sweep_plans(np.zeros((0, 3), np.int64), ("FULL",),
                                                     min_capacity=c)
-                    self.state, _ = self._sweep_fn(self.state, plans, {"FULL": self.layout.kv0()})
+                    self.state, _ = self._sweep_fn(self.state, plans, {"FULL": self.layout.kv()})
             if self.tokens is not None:
                 self.tokens.precompile()
             self.state = self._reset_ring_fn(self.state)
@@ -453,7 +453,7 @@ class SglangJaxCanary:
         and on its own shard of the KV (its heads: the real-KV fingerprints are of the device's
         own heads, nothing is gathered across devices), with the batch arrays replicated; the
         outputs get the device axis back."""
-        kv_spec = getattr(getattr(self.layout.kv0(), "sharding", None), "spec", PartitionSpec())
+        kv_spec = getattr(getattr(self.layout.kv(), "sharding", None), "spec", PartitionSpec())
 
         mesh = self.runner.mesh
         everywhere = NamedSharding(mesh, PartitionSpec())
@@ -543,7 +543,7 @@ class SglangJaxCanary:
         the scheduler's thread without the overlap schedule); returns the slots swept."""
         n = self.request_sweep()
         with self._monitor_lock:
-            self._run_pending_sweep({"FULL": self.layout.kv0()})
+            self._run_pending_sweep({"FULL": self.layout.kv()})
         return n
 
     # -- per step -------------------------------------------------------------------------------
@@ -681,10 +681,16 @@ class SglangJaxCanary:
         episodes too. Returns False, doing nothing, while the last step still runs on the device
         (a long prefill is not an idle server, and waiting on it here, holding the lock, would
         stall the next step's launch)."""
+        return self._report_pending(close, wait=False)
+
+    def _report_pending(self, close: bool, wait: bool) -> bool:
+        """Decode the pending readbacks and hand their rows on (``_after_readback``); ``close``:
+        end the open episodes too. Without ``wait``, returns False, doing nothing, while the last
+        step still runs on the device."""
         with self._monitor_lock:
             if self.warming or self.monitor is None:
                 return True
-            if not self.monitor.ready:
+            if not wait and not self.monitor.ready:
                 return False
             new = self.monitor.flush(close_episodes=False) if self.monitor.pending else []
             self._after_readback(new + self._recycle_ring())
@@ -702,12 +708,9 @@ class SglangJaxCanary:
             while (bid is not None and int(bid) not in self._bid_steps
                    and time.monotonic() < deadline):
                 time.sleep(0.01)               # the overlap forward thread has yet to launch it
-            with self._monitor_lock:
-                if self.warming or self.monitor is None:
-                    return
-                new = self.monitor.flush(close_episodes=False) if self.monitor.pending else []
-                self._after_readback(new + self._recycle_ring())
-                self.monitor.close_episodes()
+            if self.warming or self.monitor is None:
+                return
+            self._report_pending(close=True, wait=True)
             for hook in self.end_hooks:
                 hook()
             self.logger.error("kv-canary: the engine's scheduler raised %s; the canary's last "

@@ -75,6 +75,15 @@ def running_requests(scheduler) -> List:
     return reqs
 
 
+def _by_pool_row(reqs) -> dict:
+    """``{pool row: request}`` of the unfinished requests among ``reqs`` (the first one per row)."""
+    out = {}
+    for req in reqs:
+        if not req.finished() and req.req_pool_idx is not None:
+            out.setdefault(int(req.req_pool_idx), req)
+    return out
+
+
 def batch_requests(batch) -> list:
     """The requests of an sglang-jax ``ScheduleBatch``, in batch order (main keeps them per
     data-parallel rank in ``reqs_info``, 0.0.2 in ``reqs``)."""
@@ -274,20 +283,14 @@ class RequestGuard:
         self._lost_seen += len(lost)
         if not due and not lost:
             return
-        by_rp = {}
-        for req in batch_requests(batch) + running_requests(self.scheduler):
-            if not req.finished() and req.req_pool_idx is not None:
-                by_rp.setdefault(int(req.req_pool_idx), req)
+        by_rp = _by_pool_row(batch_requests(batch) + running_requests(self.scheduler))
         if self.abort:
             for v in due:                          # full-pool slots (SWA rows name SWA slots,
                 if v.slot > 0 and int(v.tag) not in _SWA_TAGS:   # which the tree does not hold)
                     self.quarantined.setdefault(int(v.slot),
                                                 f"{v.tag_name} {'+'.join(v.reasons)}")
-        named: Dict[int, list] = {}
-        for s in sorted({v.launch_step for v in due}):
-            self._name(s, [v for v in due if v.launch_step == s], by_rp, named)
-        for req, vs in named.values():
-            self._act(req, min(v.launch_step for v in vs), describe(vs))
+        for req, first, vs in self._named(due, by_rp):
+            self._act(req, first, describe(vs))
         for s in lost:
             record = self.canary.records.get(s)
             rps = [] if record is None else np.asarray(record.arrays["req_pool_indices"]).tolist()
@@ -303,19 +306,21 @@ class RequestGuard:
         on yet name, in either mode (there is no answer left to abort)."""
         with self._lock:
             due, self._rows = self._rows, []
-        by_rp = {int(req.req_pool_idx): req for req in running_requests(self.scheduler)
-                 if req.req_pool_idx is not None}
-        named: Dict[int, list] = {}
-        for s in sorted({v.launch_step or 0 for v in due}):
-            self._name(s, [v for v in due if (v.launch_step or 0) == s], by_rp, named)
-        for req, vs in named.values():
+        for req, first, vs in self._named(due, _by_pool_row(running_requests(self.scheduler))):
             if req.rid not in self._named_rids:
                 self._named_rids.add(req.rid)
                 self.named.append(req.rid)
                 self.logger.warning("kv-canary: request rid=%s read KV that failed the canary at "
                                     "step %d: its %s; the engine's own error ends the server "
-                                    "before it answers", req.rid,
-                                    min(v.launch_step or 0 for v in vs), describe(vs))
+                                    "before it answers", req.rid, first, describe(vs))
+
+    def _named(self, due: list, by_rp: dict) -> list:
+        """``(request, first launch step, [violations])`` of each request the rows ``due`` name
+        (``by_rp``: the candidate requests by pool row)."""
+        named: Dict[int, list] = {}
+        for s in sorted({v.launch_step or 0 for v in due}):
+            self._name(s, [v for v in due if (v.launch_step or 0) == s], by_rp, named)
+        return [(req, min(v.launch_step or 0 for v in vs), vs) for req, vs in named.values()]
 
     def _name(self, step: int, violations: list, by_rp: dict, named: dict) -> None:
         """Add the requests ``violations`` (rows of launch ``step``) name to ``named``
