@@ -147,10 +147,10 @@ def _running(batch):
 
 def _edit_kv0_row(layout, slot: int, edit) -> None:
     """Apply ``edit`` to ``slot``'s token row of layer 0's KV, as bytes (every K and V head)."""
-    kv0 = layout.kv0()
+    kv0 = layout.kv()
     arr = np.array(kv0)
     edit(arr.reshape(layout.geometry.num_slots, -1).view(np.uint8)[slot])
-    layout.set_kv0(jax.device_put(arr, kv0.sharding))
+    layout.set_kv(jax.device_put(arr, kv0.sharding))
 
 
 def _flip_byte(layout, slot: int) -> None:

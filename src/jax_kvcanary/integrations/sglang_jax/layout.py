@@ -204,7 +204,6 @@ class _Runner:
             _need(isinstance(getattr(pool, "kv_buffer", None), list),
                   "token_to_kv_pool.kv_buffer list")
         self.geometries = {g: fused_geometry(self.kv(g)) for g in self.groups}
-        self.geometry = self.geometries["FULL"]
         backend = getattr(getattr(runner, "server_args", None), "attention_backend", "native")
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"kv-canary: attention backend {backend!r} is not supported by the "
@@ -216,6 +215,11 @@ class _Runner:
     def aligned_segments(self) -> bool:
         """Whether attention reads ``cache_loc`` at page-aligned segment starts."""
         return self.attention_backend != "native"
+
+    @property
+    def geometry(self) -> FusedGeometry:
+        """The FULL group's ``FusedGeometry``."""
+        return self.geometries["FULL"]
 
     def _buffers(self, group: str):
         """The list holding ``group``'s fingerprinted layer, and its index there."""
@@ -234,13 +238,6 @@ class _Runner:
         """Replace that buffer (fault injection)."""
         buffers, i = self._buffers(group)
         buffers[i] = array
-
-    def kv0(self):
-        """The FULL group's fingerprinted KV buffer (layer 0 without SWA)."""
-        return self.kv("FULL")
-
-    def set_kv0(self, array) -> None:
-        self.set_kv(array, "FULL")
 
     def step_kvs(self, outputs) -> dict:
         """``{group: KV buffer}`` of the fingerprinted layers as the step's forward left them."""
