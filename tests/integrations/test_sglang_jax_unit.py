@@ -68,8 +68,6 @@ def test_install_none_installs_nothing_and_bad_runners_are_refused():
     (dict(dp_size=2), "supports dp_size=1 only"),
     (dict(token_to_kv_pool=kv_pool(np.zeros((9, 1, 4, 1, 8)), "HybridLinearKVPool")),
      "^kv-canary: the KV pool HybridLinearKVPool is not supported: .*run with --kv-canary none"),
-    (dict(token_to_kv_pool=kv_pool(np.zeros((9, 1, 4, 1, 8)), "MLATokenToKVPool")),
-     "^kv-canary: the KV pool MLATokenToKVPool is not supported: .*--attention-backend native"),
     (dict(token_to_kv_pool=kv_pool(np.zeros((9, 1, 4, 1, 8)), "PoolOfATomorrowVersion")),
      "^kv-canary: the KV pool PoolOfATomorrowVersion is not supported: the canary knows only "
      "MHATokenToKVPool, SWAKVPool"),

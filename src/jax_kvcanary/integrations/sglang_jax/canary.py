@@ -68,8 +68,7 @@ from ...runtime.multidevice import global_view, local_view
 from ...runtime.sweep import DEFAULT_MIN_CAPACITY, bucket_capacity, build_group_sweep_plans
 from ...state import ViolationLog
 from .request_guard import batch_requests
-from .layout import (LegacyRunner, page_table_batch, real_kv_sources, replicated, runner_layout,
-                     step_arrays)
+from .layout import LegacyRunner, page_table_batch, replicated, runner_layout, step_arrays
 from .metrics import COUNTERS_INTERVAL, CanaryTotals, PrometheusCounters
 from .tokens import TokenMirror, with_intended_tokens
 
@@ -409,7 +408,7 @@ class SglangJaxCanary:
                                                 cap.bit_length())):
                     plans = build_group_sweep_plans(np.zeros((0, 3), np.int64), ("FULL",),
                                                     min_capacity=c)
-                    self.state, _ = self._sweep_fn(self.state, plans, {"FULL": self.layout.kv()})
+                    self.state, _ = self._sweep_fn(self.state, plans, {"FULL": self.layout.fingerprinted()})
             if self.tokens is not None:
                 self.tokens.precompile()
             self.state = self._reset_ring_fn(self.state)
@@ -437,7 +436,7 @@ class SglangJaxCanary:
                                              replicated(mesh)(arrays["req_pool_indices"]))
             hint = cost_hint(cstate)
             cstate, ctx = ep.head(cstate, batch)
-            sources = {g: real_kv_sources(kv, mode) for g, kv in kvs.items()} if mode else {}
+            sources = layout.sources(kvs, mode) if mode else {}
             cstate = ep.tail(cstate, ctx, sources)
             return cstate, counter_snapshot(cstate), hint
 
@@ -472,11 +471,11 @@ class SglangJaxCanary:
         return run
 
     def _build_sweep(self):
-        mode = self.config.real_kv_hash_mode
+        mode, layout = self.config.real_kv_hash_mode, self.layout
         ep = self._endpoints(1, 1)
 
         def sweep(cstate, plans, kvs, mesh=None):
-            sources = {g: real_kv_sources(kv, mode) for g, kv in kvs.items()} if mode else {}
+            sources = layout.sources(kvs, mode) if mode else {}
             return ep.sweep(cstate, plans, sources), cost_hint(cstate)
 
         if self.tp > 1:
@@ -543,7 +542,7 @@ class SglangJaxCanary:
         the scheduler's thread without the overlap schedule); returns the slots swept."""
         n = self.request_sweep()
         with self._monitor_lock:
-            self._run_pending_sweep({"FULL": self.layout.kv()})
+            self._run_pending_sweep({"FULL": self.layout.fingerprinted()})
         return n
 
     # -- per step -------------------------------------------------------------------------------

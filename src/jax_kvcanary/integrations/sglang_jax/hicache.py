@@ -208,5 +208,8 @@ def install_host_records(canary, tree_cache) -> Optional[HostRecords]:
     """``HostRecords`` on the scheduler's HiCache host pool, or None without HiCache."""
     if not getattr(tree_cache, "hicache_enabled", False):
         return None
+    if canary.layout.latent is not None:
+        raise ValueError("kv-canary: HiCache with the MLA latent pool is not supported: its host "
+                         "check reads fused K/V rows; run with --hicache-storage disable")
     canary.host_tier = HostRecords(canary, tree_cache.host_pool).install()
     return canary.host_tier

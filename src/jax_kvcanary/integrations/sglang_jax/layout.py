@@ -38,8 +38,9 @@ from ...inputs import RealKvSource
 from ...runtime.endpoints import CanaryBatch
 from . import pools
 
-#: attention backends whose reads of ``cache_loc`` the canary models (``segment_starts``)
-ATTENTION_BACKENDS = ("native", "fa")
+#: attention backends whose reads of ``cache_loc`` the canary models (``segment_starts``):
+#: ``dsa_sparse`` reads it page-aligned like ``fa`` (it serves the latent pool only)
+ATTENTION_BACKENDS = ("native", "fa", "dsa_sparse")
 
 
 class FusedGeometry(NamedTuple):
@@ -100,6 +101,55 @@ def real_kv_sources(kv0, mode: RealKvHashMode) -> dict:
         return {"K": whole, "V": whole}
     v0 = RealKvSource(kv0, geo.page_size, tb, 16, offset_bytes=geo.head_elems * geo.itemsize)
     return {"K": whole, "V": v0}
+
+
+class LatentDims(NamedTuple):
+    """Where the parts of an absorbed-MLA latent row lie, in elements (sglang-jax's
+    ``MLATokenToKVPool``: ``[pages, align(page_size, packing) // packing, packing, nope + rope]``,
+    the layout of its MLA v2 kernel): the compressed KV in ``[0, nope)`` (``kv_lora_rank`` of it
+    used, the rest padding to 128) and the rope part in ``[nope, nope + rope)``."""
+
+    nope: int
+    rope: int
+
+
+def latent_geometry(kv, page_size: int) -> FusedGeometry:
+    """The geometry of an absorbed-MLA latent buffer ``[pages, align(page_size, packing) //
+    packing, packing, kv_dim]`` as token rows: slot ``s`` is row ``s % page_size`` (in
+    ``[page_rows, packing]`` order) of page ``s // page_size``; one latent "head" per row.
+
+    Raises:
+      ValueError: another shape, or a page that holds fewer than ``page_size`` rows.
+    """
+    shape = tuple(int(d) for d in kv.shape)
+    if len(shape) != 4 or shape[1] * shape[2] < page_size:
+        raise ValueError("kv-canary: expected the latent buffer [pages, align(page_size, packing) "
+                         f"// packing, packing, kv_dim] with page_size={page_size}, got shape "
+                         f"{shape}")
+    isz = np.dtype(kv.dtype).itemsize
+    if (shape[3] * isz) % 16:
+        raise ValueError(f"kv-canary: a latent row must be a multiple of 16 bytes, got "
+                         f"kv_dim={shape[3]} x {isz} bytes")
+    return FusedGeometry(shape[0], page_size, shape[3], shape[3], isz)
+
+
+def latent_kv_sources(kv, indexer, dims: LatentDims, page_size: int,
+                      mode: RealKvHashMode) -> dict:
+    """``{'K': source, 'V': sources}`` over an absorbed-MLA layer's latent buffer ``kv`` and,
+    with DSA, an indexer-key buffer ``indexer`` of the same pages (None without), all read in
+    place. K folds the compressed KV (its first 16 bytes in PARTIAL, its ``nope`` elements in
+    ALL), V the rope part (likewise, from element ``nope``) and the slot's indexer keys (the
+    first 16 bytes, or the whole row): what the MLA and DSA kernels read for a cached token."""
+    geo = latent_geometry(kv, page_size)
+    isz, tb = geo.itemsize, geo.token_bytes
+    part = mode != RealKvHashMode.ALL
+    k = RealKvSource(kv, page_size, tb, 16 if part else dims.nope * isz)
+    v = [RealKvSource(kv, page_size, tb, 16 if part else dims.rope * isz,
+                      offset_bytes=dims.nope * isz)]
+    if indexer is not None:
+        ib = latent_geometry(indexer, page_size).token_bytes
+        v.append(RealKvSource(indexer, page_size, ib, 16 if part else ib))
+    return {"K": k, "V": tuple(v)}
 
 
 def segment_starts(seq_lens, page_size: int, aligned: bool):
@@ -182,20 +232,21 @@ class _Runner:
     Attributes: ``groups`` (``("FULL",)``, or ``("FULL", "SWA")`` for a hybrid sliding-window
     pool), ``layer`` (per group, the global id of the layer whose KV is fingerprinted: the first
     of the group's layers), ``geometries`` (per group, that layer's ``FusedGeometry``; ``geometry``
-    is the FULL one), ``swa_window`` (the sliding window, 0 without SWA), ``page_size``."""
+    is the FULL one), ``swa_window`` (the sliding window, 0 without SWA), ``page_size``,
+    ``latent`` (the ``LatentDims`` of an absorbed-MLA latent pool, else None)."""
 
     def __init__(self, runner):
         _need(callable(getattr(runner, "jitted_run_model", None)), "jitted_run_model")
         _need(getattr(runner, "mesh", None) is not None, "mesh")
         pool = getattr(runner, "token_to_kv_pool", None)
-        refused = pool is not None and pools.refusal(type(pool).__name__)
+        refused = pool is not None and pools.install_refusal(type(pool).__name__)
         if refused:
             raise ValueError(refused)
         if int(getattr(runner, "dp_size", 1)) != 1:
             raise ValueError("kv-canary: the sglang-jax integration supports dp_size=1 only, got "
                              f"dp_size={runner.dp_size}")
         self.runner = runner
-        self.groups, self.layer, self.swa_window = ("FULL",), {"FULL": 0}, 0
+        self.groups, self.layer, self.swa_window, self.latent = ("FULL",), {"FULL": 0}, 0, None
         if pools.is_swa(pool):
             self.groups, self.swa_window = ("FULL", "SWA"), int(runner.sliding_window_size)
             self.layer = {"FULL": min(l for l, (_, swa) in pool.layers_mapping.items() if not swa),
@@ -203,13 +254,16 @@ class _Runner:
         else:
             _need(isinstance(getattr(pool, "kv_buffer", None), list),
                   "token_to_kv_pool.kv_buffer list")
-        self.geometries = {g: fused_geometry(self.kv(g)) for g in self.groups}
+            if pools.is_latent(pool):
+                self.latent = LatentDims(int(pool.nope_dim), int(pool.rope_dim))
+        self.page_size = int(getattr(runner, "page_size", 1) or 1)
+        self.geometries = {g: (latent_geometry(self.kv(g), self.page_size) if self.latent
+                               else fused_geometry(self.kv(g))) for g in self.groups}
         backend = getattr(getattr(runner, "server_args", None), "attention_backend", "native")
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"kv-canary: attention backend {backend!r} is not supported by the "
                              f"sglang-jax integration (supported: {', '.join(ATTENTION_BACKENDS)})")
         self.attention_backend = backend
-        self.page_size = int(getattr(runner, "page_size", 1) or 1)
 
     @property
     def aligned_segments(self) -> bool:
@@ -239,10 +293,31 @@ class _Runner:
         buffers, i = self._buffers(group)
         buffers[i] = array
 
+    def fingerprinted(self, group: str = "FULL"):
+        """What ``sources`` reads of ``group`` now: ``kv(group)``, or with the latent pool the
+        pair (latent buffer, the first DSA indexer-key buffer or None)."""
+        if self.latent is None:
+            return self.kv(group)
+        indexer = getattr(self.runner.token_to_kv_pool, "indexer_key_buffer", None)
+        return self.kv(group), (indexer[0] if indexer else None)
+
     def step_kvs(self, outputs) -> dict:
-        """``{group: KV buffer}`` of the fingerprinted layers as the step's forward left them."""
+        """``{group: fingerprinted KV}`` (see ``fingerprinted``) as the step's forward left it."""
         layers = self.layers(outputs)
-        return {g: layers[self.layer[g]] for g in self.groups}
+        if self.latent is None:
+            return {g: layers[self.layer[g]] for g in self.groups}
+        _, indexer = self.fingerprinted()
+        if isinstance(layers, tuple):                # DSA: (latent buffers, indexer buffers)
+            layers, written = layers
+            indexer = written[0] if written else indexer
+        return {"FULL": (layers[self.layer["FULL"]], indexer)}
+
+    def sources(self, kvs: dict, mode: RealKvHashMode) -> dict:
+        """``{group: {'K': ..., 'V': ...}}``: the real-KV sources over ``kvs`` (``step_kvs``)."""
+        if self.latent is None:
+            return {g: real_kv_sources(kv, mode) for g, kv in kvs.items()}
+        return {g: latent_kv_sources(*kv, self.latent, self.page_size, mode)
+                for g, kv in kvs.items()}
 
     def swa_map(self):
         """The engine's full-to-SWA slot map (host ``int`` array; 0 = not in the SWA pool)."""

@@ -2,8 +2,11 @@
 arguments, and which ones the canary guards.
 
 The launcher refuses, before anything starts, a server whose pool the canary does not guard
-(``refusal``); the install in the scheduler checks the pool it finds against the same list, so
-no pool class runs without the canary the user asked for.
+(``refusal``); the install in the scheduler checks the pool it finds against the same list
+(``install_refusal``), so no pool class runs without the canary the user asked for. The latent
+pool of absorbed MLA and DSA (``LATENT``) is the one difference: the install guards it (its
+adapter is tested on the CPU against a pool with known contents), the launcher still refuses it
+until a TPU, the only device its kernels run on, has served it guarded.
 """
 
 from __future__ import annotations
@@ -17,13 +20,23 @@ GUARDED = ("MHATokenToKVPool", "SWAKVPool")
 #: why each pool class sglang-jax main has (``mem_cache/memory_pool.py``) is not guarded, and what
 #: serves the same model with a guarded pool
 UNGUARDED = {
-    "MLATokenToKVPool": ("its latent rows (compressed KV and rope part, and the DSA indexer "
-                         "keys) are not fingerprinted",
+    "MLATokenToKVPool": ("its kernels (absorbed MLA, DSA) run on TPUs only, and the canary's "
+                         "latent-row adapter (compressed KV, rope part, DSA indexer keys) has "
+                         "been tested on the CPU, not yet served on a TPU",
                          "use --attention-backend native (MLA with decompressed K/V in an MHA "
                          "pool)"),
     "HybridLinearKVPool": ("the recurrent state of its linear-attention layers is held per "
                            "request, outside the KV slots the canary checks", None),
 }
+
+
+#: pools the install guards and the launcher still refuses (see the module's text)
+LATENT = ("MLATokenToKVPool",)
+
+
+def is_latent(pool) -> bool:
+    """Whether ``pool`` is sglang-jax's absorbed-MLA latent pool (one latent row per slot)."""
+    return type(pool).__name__ in LATENT
 
 
 def is_swa(pool) -> bool:
@@ -38,6 +51,11 @@ def refusal(pool_class: str) -> Optional[str]:
     why, fix = UNGUARDED.get(pool_class, ("the canary knows only " + ", ".join(GUARDED), None))
     return (f"kv-canary: the KV pool {pool_class} is not supported: {why}; "
             + (f"{fix}, or run with --kv-canary none" if fix else "run with --kv-canary none"))
+
+
+def install_refusal(pool_class: str) -> Optional[str]:
+    """``refusal`` as the install in the scheduler decides it: the latent pool is guarded."""
+    return None if pool_class in LATENT else refusal(pool_class)
 
 
 #: what the canary does not guard yet with the hybrid sliding-window pool: (setting, why, fix)
