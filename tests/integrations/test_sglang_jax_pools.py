@@ -72,6 +72,22 @@ def test_the_pool_the_engine_builds_decides_the_refusal(tmp_path, kind, args, po
     assert refused == ([] if pool in pools.GUARDED else [pools.refusal(pool)])
 
 
+def test_a_fault_aimed_at_the_swa_group_needs_the_hybrid_swa_pool(tmp_path):
+    from jax_kvcanary.integrations.sglang_jax.inject import InjectSpec
+
+    log = CanaryConfig(mode="log")
+    for kind, args, refused in (("qwen2", [], True), ("gemma2", [], False),
+                                ("gemma2", ["--disable-hybrid-swa-memory"], True)):
+        path = write_model_config(str(tmp_path / kind), kind)
+        server_args = ServerArgs.from_cli(["--model-path", path, "--device", "cpu",
+                                           "--attention-backend", "native", *args])
+        got = server.model_refusals(server_args, log, InjectSpec("real_kv_used", group="SWA"))
+        assert got == ([] if not refused else [
+            "kv-canary: --kv-canary-inject real_kv_used on the SWA group is not supported with "
+            "the KV pool MHATokenToKVPool: that fault is planted in a hybrid SWA pool's SWA "
+            "group; serve a sliding-window model without --disable-hybrid-swa-memory"]), got
+
+
 def test_a_hybrid_swa_model_with_what_its_guard_lacks_is_refused_before_start(tmp_path):
     """The hybrid SWA pool is guarded with one device and the native backend; the rest is refused
     before anything starts (it once started and ran without the canary)."""

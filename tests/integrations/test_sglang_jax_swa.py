@@ -119,21 +119,36 @@ def test_the_hybrid_swa_pool_is_guarded_with_the_stock_tokens(model_dir, full_po
     assert ids(replies) == ids(full_pool)
 
 
-@pytest.mark.parametrize("kind,mode,reason", [
-    ("swa_evicted_in_window", "abort", "index_out_of_range"),
-    ("swa_map_stale", "log", "verify_position"),
-])
-def test_faults_in_the_swa_map_are_reported(model_dir, tmp_path, kind, mode, reason):
+#: kind: (mode, reason of the SWA rows, whether the FULL group stays intact); every kind but the
+#: swa_* ones is aimed at the SWA group with --kv-canary-inject-group SWA
+SWA_FAULTS = {
+    "swa_evicted_in_window": ("abort", "index_out_of_range", True),
+    "swa_map_stale": ("log", "verify_position", True),
+    "real_kv_used": ("abort", "verify_real_kv_hash", True),
+    "slot_double_free": ("log", "verify_position", True),
+    "req_to_token_swap": ("log", "verify_position", False),
+    "cache_loc_off_by_one": ("abort", "verify_position", False),
+    "wrong_position": ("log", "write_position", False),
+}
+
+
+@pytest.mark.parametrize("kind", list(SWA_FAULTS))
+def test_faults_aimed_at_the_swa_group_are_reported(model_dir, tmp_path, kind):
     """A map entry inside a request's window zeroed (evicted too early) or pointed at another SWA
-    slot (stale): reported on the SWA group within two steps, and the request that read it ends
-    with the canary's abort (mode log names it instead)."""
+    slot (stale), and the existing kinds aimed at the SWA group (a sliding layer's KV bytes, the
+    SWA allocator, positions inside the window): reported on the SWA group within two steps, and
+    the request that read it ends with the canary's abort (mode log names it instead)."""
+    mode, reason, full_intact = SWA_FAULTS[kind]
+    group = [] if kind.startswith("swa_") else ["--kv-canary-inject-group", "SWA"]
     with server(model_dir, tmp_path, "--kv-canary", mode, *RATIO, "--kv-canary-inject", kind,
-                "--kv-canary-inject-step", "20", name=kind) as srv:
+                *group, "--kv-canary-inject-step", "20", name=kind) as srv:
         reply = srv.generate(PROMPT, 60, ignore_eos=True)
         injected, reports, log = srv.injected(), srv.reports(), srv.log()
     assert injected is not None and injected[0] == kind, log[-3000:]
+    assert "on the SWA group" in log or not group, log[-3000:]
     swa = [r for r in reports if r[0].endswith("_SWA") and reason in r[1].split("+")]
     assert swa and min(p for _, _, _, p in swa) <= injected[1] + 2, reports
-    assert all(r[0].endswith("_SWA") for r in reports), reports         # the FULL group is intact
+    if full_intact:
+        assert all(r[0].endswith("_SWA") for r in reports), reports
     check_acted_on(mode, reply, log)
     assert "Traceback" not in log, log[-3000:]

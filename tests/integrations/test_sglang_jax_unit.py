@@ -213,10 +213,27 @@ def test_refusals_name_the_setting_and_the_fix():
         "--enable-mixed-chunk is not supported")
 
 
+def test_a_fault_aimed_at_the_swa_group_is_checked_where_it_is_named():
+    from jax_kvcanary.integrations.sglang_jax.inject import InjectSpec
+
+    assert InjectSpec("real_kv_used", group="SWA").on_swa
+    assert InjectSpec("swa_map_stale").on_swa and not InjectSpec("real_kv_used").on_swa
+    with pytest.raises(ValueError, match="^kv-canary: --kv-canary-inject-group must be one of "
+                                         "FULL, SWA, got 'swa'"):
+        InjectSpec("real_kv_used", group="swa")
+    with pytest.raises(ValueError, match="real_kv_unused_cache cannot be aimed at the SWA group "
+                                         r"\(--kv-canary-inject-group SWA\): the SWA group is not "
+                                         "swept"):
+        InjectSpec("real_kv_unused_cache", group="SWA")
+    with pytest.raises(ValueError, match="HiCache and PD are refused with a hybrid SWA pool"):
+        InjectSpec("pd_zero_slot", group="SWA")
+
+
 def test_launcher_rejects_bad_canary_flags_before_importing_sglang_jax():
     from jax_kvcanary.integrations.sglang_jax import launch_server
 
-    for argv in (["--kv-canary", "warn"], ["--kv-canary-inject", "nope"]):
+    for argv in (["--kv-canary", "warn"], ["--kv-canary-inject", "nope"],
+                 ["--kv-canary-inject", "real_kv_used", "--kv-canary-inject-group", "SLIDING"]):
         with pytest.raises(SystemExit) as ei:
             launch_server.main(argv)
         assert ei.value.code == 2

@@ -72,6 +72,19 @@ own structures once, at the first batch from the ``N``-th on that has a target, 
   other position's sliding-window KV; ``verify_position`` + ``verify_chain_hash`` at HEAD and TAIL
   of the SWA group. Put back at the next step too.
 
+``--kv-canary-inject-group SWA`` (a hybrid SWA pool) aims the existing kinds at the SWA group:
+``real_kv_used`` flips byte 0 of the SWA slot of batch row 0's last prefix position in the first
+sliding layer's KV (``verify_real_kv_hash`` at ``TAIL_K_SWA``; the FULL group intact);
+``slot_double_free`` puts the SWA slot of a running request's position ``n - 2`` back at the head
+of the SWA allocator's free list (``verify_position`` on the SWA group once the next allocation
+takes it; the FULL group intact); ``req_to_token_swap`` swaps positions ``n - 3`` and ``n - 2``
+and ``cache_loc_off_by_one`` moves the entry of batch row 0's last prefix position, inside the
+window, so both groups read them crosswise (``verify_position`` on both); ``wrong_position`` and
+``future_token_ring_wrap`` damage the token both groups record (``write_position`` /
+``write_token`` on both). ``real_kv_unused_cache`` is refused with it (the SWA group is not
+swept), and so are the HiCache and PD kinds (refused with the SWA pool). The ``swa_*`` kinds
+always aim at the SWA group.
+
 Scheduler-side kinds run in the scheduler's thread before a batch is launched (step = the batch's
 launch count); forward-side kinds run where the forward runs, right before the step (step = the
 canary's step count). After precompile both count from 1.
@@ -102,14 +115,20 @@ SWA_KINDS = ("swa_evicted_in_window", "swa_map_stale")
 KINDS = SCHEDULER_KINDS + FORWARD_KINDS + HICACHE_KINDS + PD_KINDS + SWA_KINDS
 #: kinds found by the write-input assert only
 TOKEN_KINDS = ("future_token_ring_wrap",)
+#: groups a fault can be aimed at (``--kv-canary-inject-group``)
+GROUPS = ("FULL", "SWA")
+#: kinds that cannot be aimed at the SWA group
+NOT_ON_SWA = ("real_kv_unused_cache",) + HICACHE_KINDS + PD_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
 class InjectSpec:
-    """One fault: its ``kind`` (one of ``KINDS``) and the first ``step`` (>= 1) it may go in at."""
+    """One fault: its ``kind`` (one of ``KINDS``), the first ``step`` (>= 1) it may go in at, and
+    the ``group`` it is aimed at (``FULL``, or ``SWA`` with a hybrid SWA pool)."""
 
     kind: str
     step: int = 8
+    group: str = "FULL"
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -117,6 +136,19 @@ class InjectSpec:
                              f"got {self.kind!r}")
         if int(self.step) < 1:
             raise ValueError(f"kv-canary: --kv-canary-inject-step must be >= 1, got {self.step}")
+        if self.group not in GROUPS:
+            raise ValueError(f"kv-canary: --kv-canary-inject-group must be one of "
+                             f"{', '.join(GROUPS)}, got {self.group!r}")
+        if self.group == "SWA" and self.kind in NOT_ON_SWA:
+            raise ValueError(f"kv-canary: --kv-canary-inject {self.kind} cannot be aimed at the "
+                             "SWA group (--kv-canary-inject-group SWA): "
+                             + ("the SWA group is not swept" if self.kind == "real_kv_unused_cache"
+                                else "HiCache and PD are refused with a hybrid SWA pool"))
+
+    @property
+    def on_swa(self) -> bool:
+        """Whether the fault is aimed at the SWA group (the ``swa_*`` kinds always are)."""
+        return self.group == "SWA" or self.kind in SWA_KINDS
 
 
 def add_inject_args(parser) -> None:
@@ -126,11 +158,15 @@ def add_inject_args(parser) -> None:
                    help=f"plant one fault in the live server: {', '.join(KINDS)}")
     g.add_argument("--kv-canary-inject-step", type=int, default=8, metavar="N",
                    help="at the first batch from the N-th on that has a target (default 8)")
+    g.add_argument("--kv-canary-inject-group", choices=GROUPS, default="FULL",
+                   help="the group the fault is aimed at: FULL (default) or SWA (a hybrid SWA "
+                        "pool's sliding layers)")
 
 
 def spec_from_args(ns) -> Optional[InjectSpec]:
     kind = getattr(ns, "kv_canary_inject", None)
-    return None if kind is None else InjectSpec(kind, int(getattr(ns, "kv_canary_inject_step", 8)))
+    return None if kind is None else InjectSpec(kind, int(getattr(ns, "kv_canary_inject_step", 8)),
+                                                getattr(ns, "kv_canary_inject_group", "FULL"))
 
 
 def _running(batch):
@@ -145,17 +181,19 @@ def _running(batch):
     return out
 
 
-def _edit_kv0_row(layout, slot: int, edit) -> None:
-    """Apply ``edit`` to ``slot``'s token row of layer 0's KV, as bytes (every K and V head)."""
-    kv0 = layout.kv()
+def _edit_kv0_row(layout, slot: int, edit, group: str = "FULL") -> None:
+    """Apply ``edit`` to ``slot``'s token row of ``group``'s fingerprinted layer (layer 0 without
+    SWA), as bytes (every K and V head)."""
+    kv0 = layout.kv(group)
     arr = np.array(kv0)
-    edit(arr.reshape(layout.geometry.num_slots, -1).view(np.uint8)[slot])
-    layout.set_kv(jax.device_put(arr, kv0.sharding))
+    edit(arr.reshape(layout.geometries[group].num_slots, -1).view(np.uint8)[slot])
+    layout.set_kv(jax.device_put(arr, kv0.sharding), group)
 
 
-def _flip_byte(layout, slot: int) -> None:
-    """XOR the first byte of ``slot``'s token row (K head 0) of layer 0's KV with 0xFF."""
-    _edit_kv0_row(layout, slot, lambda row: row.__setitem__(0, row[0] ^ 0xFF))
+def _flip_byte(layout, slot: int, group: str = "FULL") -> None:
+    """XOR the first byte of ``slot``'s token row (K head 0) of ``group``'s fingerprinted layer
+    with 0xFF."""
+    _edit_kv0_row(layout, slot, lambda row: row.__setitem__(0, row[0] ^ 0xFF), group)
 
 
 def _zero_slot(layout, slot: int) -> None:
@@ -192,8 +230,9 @@ class FaultInjector:
         self.canary = canary
         self.scheduler = scheduler
         self.logger = logger or LOGGER
-        if spec.kind in SWA_KINDS and "SWA" not in canary.layout.groups:
-            raise ValueError(f"kv-canary: --kv-canary-inject {spec.kind} needs a hybrid SWA pool "
+        if spec.on_swa and "SWA" not in canary.layout.groups:
+            what = spec.kind if spec.kind in SWA_KINDS else f"{spec.kind} on the SWA group"
+            raise ValueError(f"kv-canary: --kv-canary-inject {what} needs a hybrid SWA pool "
                              "(a sliding-window model without --disable-hybrid-swa-memory)")
         self.done = False
         self._queued_slot = None             # real_kv_unused_cache: chosen here, flipped there
@@ -217,22 +256,33 @@ class FaultInjector:
         if self._queued_slot is not None:
             return
         rtt = self.scheduler.req_to_token_pool.req_to_token
+        swa = self.spec.on_swa
         if self.spec.kind == "req_to_token_swap":
             for req, n in _running(batch):
                 if n >= 3:
-                    row = req.req_pool_idx
-                    rtt[row, [0, 1]] = rtt[row, [1, 0]]
-                    self._log(step, f"req_to_token[{row}, 0:2] swapped (slots {rtt[row, 1]}, "
-                                    f"{rtt[row, 0]}), request {req.rid}")
+                    row, (a, b) = req.req_pool_idx, ((n - 3, n - 2) if swa else (0, 1))
+                    rtt[row, [a, b]] = rtt[row, [b, a]]
+                    self._log(step, f"req_to_token[{row}, {a}:{b + 1}] swapped (slots "
+                                    f"{rtt[row, b]}, {rtt[row, a]}), request {req.rid}")
                     return
         elif self.spec.kind == "slot_double_free":
             alloc = self.scheduler.token_to_kv_pool_allocator
             for req, n in _running(batch):
-                if n >= 3:
+                if n < 3:
+                    continue
+                if not swa:
                     slot = int(rtt[req.req_pool_idx, 0])
                     _free_in_use(alloc, [slot // int(getattr(alloc, "page_size", 1))])
                     self._log(step, f"slot {slot} (position 0 of request {req.rid}, in the prefix "
                                     "cache) put back at the head of the free list")
+                    return
+                full = int(rtt[req.req_pool_idx, n - 2])
+                slot = int(self.canary.layout.swa_map()[full])
+                if slot > 0:
+                    swa_alloc = alloc.swa_attn_allocator
+                    _free_in_use(swa_alloc, [slot // int(getattr(swa_alloc, "page_size", 1))])
+                    self._log(step, f"SWA slot {slot} (position {n - 2} of request {req.rid}, "
+                                    "inside its window) put back at the head of the SWA free list")
                     return
         elif self.spec.kind == "real_kv_unused_cache":
             used = set()
@@ -274,12 +324,20 @@ class FaultInjector:
         prefix = (seq[0] - 1 if fb.forward_mode.is_decode()
                   else int(np.asarray(fb.extend_prefix_lens)[0]))
         loc = np.array(fb.cache_loc)
+        # the position aimed at: 0 / 1, or with the SWA group the last prefix position (inside
+        # the window; batch row 0's segment of cache_loc starts at 0)
+        swa = self.spec.on_swa
         if self.spec.kind == "real_kv_used":
             if prefix < 1:
                 return                                    # position 0 is written by this step
-            _flip_byte(layout, int(loc[0]))
-            self._log(step, f"flipped byte 0 of slot {int(loc[0])} (position 0 of batch row 0) "
-                            "in layer 0's KV")
+            pos = prefix - 1 if swa else 0
+            slot = int(layout.swa_map()[int(loc[pos])]) if swa else int(loc[pos])
+            if slot <= 0:
+                return
+            _flip_byte(layout, slot, "SWA" if swa else "FULL")
+            self._log(step, f"flipped byte 0 of {'SWA ' if swa else ''}slot {slot} (position "
+                            f"{pos} of batch row 0) in "
+                            + ("the first sliding layer's KV" if swa else "layer 0's KV"))
         elif self.spec.kind == "wrong_position":
             pos = np.array(fb.positions)
             pos[0] += 1
@@ -287,10 +345,13 @@ class FaultInjector:
             self._log(step, f"position of the first token fed to the forward set to {pos[0]} "
                             f"(was {pos[0] - 1})")
         elif self.spec.kind == "cache_loc_off_by_one":
-            loc[1] += 1
+            pos = prefix - 1 if swa else 1
+            if pos < 1:
+                return                                    # no prefix position in the window
+            loc[pos] += 1
             fb.cache_loc = _replace(fb.cache_loc, loc)
-            self._log(step, f"cache_loc entry of batch row 0, position 1 set to slot {loc[1]} "
-                            f"(was {loc[1] - 1})")
+            self._log(step, f"cache_loc entry of batch row 0, position {pos} set to slot "
+                            f"{loc[pos]} (was {loc[pos] - 1})")
         elif self.spec.kind == "future_token_ring_wrap":
             if not fb.forward_mode.is_decode():
                 return

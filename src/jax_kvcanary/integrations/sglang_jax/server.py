@@ -136,9 +136,10 @@ def model_refusals(server_args, config: Optional[CanaryConfig] = None,
     line = pools.refusal(pool)
     if line:
         return [line]
-    if inject is not None and inject.kind in SWA_KINDS and pool != "SWAKVPool":
-        return [f"kv-canary: --kv-canary-inject {inject.kind} is not supported with the KV pool "
-                f"{pool}: that fault is planted in a hybrid SWA pool's full-to-SWA map; serve a "
+    if inject is not None and inject.on_swa and pool != "SWAKVPool":
+        what = inject.kind if inject.kind in SWA_KINDS else f"{inject.kind} on the SWA group"
+        return [f"kv-canary: --kv-canary-inject {what} is not supported with the KV pool "
+                f"{pool}: that fault is planted in a hybrid SWA pool's SWA group; serve a "
                 "sliding-window model without --disable-hybrid-swa-memory"]
     if pool == "SWAKVPool":
         return [f"kv-canary: {setting} is not supported: {why}; {fix}"
@@ -249,7 +250,8 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
                          ", HiCache host records" if host is not None else "",
                          f", PD {transfer.role} records" if transfer is not None else "",
                          ", metrics on /metrics" if metrics is not None else ""]),
-                f"; fault to inject: {inject.kind} from step {inject.step}" if inject else "")
+                (f"; fault to inject: {inject.kind} from step {inject.step}"
+                 + (" on the SWA group" if inject.on_swa else "")) if inject else "")
     return canary
 
 
