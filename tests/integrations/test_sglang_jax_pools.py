@@ -59,17 +59,23 @@ def test_every_kv_pool_class_of_the_engine_is_guarded_or_refused_with_a_reason()
     ("deepseek_v3", ["--attention-backend", "fa"], "MLATokenToKVPool"),
     ("deepseek_v3", ["--attention-backend", "dsa_sparse"], "MLATokenToKVPool"),   # DSA
     ("deepseek_v3", ["--attention-backend", "native"], "MHATokenToKVPool"),
-    ("qwen3_5", ["--attention-backend", "native"], "HybridLinearKVPool"),
-    ("kimi_linear", ["--attention-backend", "fa"], "HybridLinearKVPool"),
+    ("qwen3_5", ["--attention-backend", "native"], "HybridLinearKVPool/MHATokenToKVPool"),
+    ("kimi_linear", ["--attention-backend", "native"], "HybridLinearKVPool/MHATokenToKVPool"),
+    ("kimi_linear", ["--attention-backend", "fa"], "HybridLinearKVPool/MLATokenToKVPool"),
 ])
 def test_the_pool_the_engine_builds_decides_the_refusal(tmp_path, kind, args, pool):
+    """``pool``: the classes the runner builds, outermost first (the hybrid linear pool wraps an
+    MHA or an MLA pool); the first refused one refuses the server."""
     from sgl_jax.srt.configs.model_config import ModelConfig
 
     path = write_model_config(str(tmp_path / kind), kind)
     server_args = ServerArgs.from_cli(["--model-path", path, "--device", "cpu", *args])
-    assert pools.engine_pool_class(server_args, ModelConfig.from_server_args(server_args)) == pool
-    refused = server.model_refusals(server_args)
-    assert refused == ([] if pool in pools.GUARDED else [pools.refusal(pool)])
+    built = pools.engine_pools(server_args, ModelConfig.from_server_args(server_args))
+    assert "/".join(built) == pool
+    refused = [pools.refusal(c) for c in built if c not in pools.GUARDED][:1]
+    if refused and len(built) > 1:
+        refused = [refused[0] + f" (inside the {built[0]})"]
+    assert server.model_refusals(server_args) == refused
 
 
 def test_a_fault_aimed_at_the_swa_group_needs_the_hybrid_swa_pool(tmp_path):
@@ -109,14 +115,14 @@ def test_a_pool_found_unguarded_in_the_scheduler_ends_the_server(caplog):
     raises (sglang-jax then ends the server) with the refusal in the log; it never serves
     unguarded."""
     runner = fake_runner(np.zeros((9, 1, 4, 1, 8), np.float32),
-                         token_to_kv_pool=kv_pool(np.zeros((9, 1, 4, 1, 8)), "HybridLinearKVPool"))
+                         token_to_kv_pool=kv_pool(np.zeros((9, 1, 4, 1, 8)), "NextYearsKVPool"))
     scheduler = types.SimpleNamespace(
         tp_worker=types.SimpleNamespace(get_model_runner=lambda: runner), tree_cache=None,
         server_args=types.SimpleNamespace(enable_metrics=False), token_to_kv_pool_allocator=None)
     with caplog.at_level(logging.ERROR), pytest.raises(server.GuardError) as e:
         server.attach(scheduler, server.Guard(CanaryConfig(mode="log")), precompile=False,
                       logger=logging.getLogger("kvc-test"))
-    assert str(e.value).startswith(pools.refusal("HybridLinearKVPool"))
+    assert str(e.value).startswith(pools.refusal("NextYearsKVPool"))
     assert "the server does not start without the canary" in str(e.value)
     assert str(e.value) in caplog.text
 

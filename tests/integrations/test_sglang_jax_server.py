@@ -185,8 +185,13 @@ def test_tensor_parallel_same_text_no_violation(model_dir, tmp_path, reference, 
         assert f"tensor parallel over {tp} devices" in srv.log()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("kind", sorted(INJECT_CASES))
+#: kinds CI also runs with --tp-size 2 (``slow``: the others there)
+TP2_IN_CI = ("real_kv_used", "req_to_token_swap")
+
+
+@pytest.mark.parametrize("kind, tp", [
+    pytest.param(kind, tp, marks=() if tp == 1 or kind in TP2_IN_CI else pytest.mark.slow)
+    for kind in sorted(INJECT_CASES) for tp in (1, 2)])
 def test_injected_fault_is_reported_within_two_steps(model_dir, tmp_path, kind, tp):
     extra, (tag, reason) = INJECT_CASES[kind]
     par = tensor_parallel(tp)

@@ -66,15 +66,19 @@ def test_install_none_installs_nothing_and_bad_runners_are_refused():
 
 @pytest.mark.parametrize("change, message", [
     (dict(dp_size=2), "supports dp_size=1 only"),
-    (dict(token_to_kv_pool=kv_pool(np.zeros((9, 1, 4, 1, 8)), "HybridLinearKVPool")),
-     "^kv-canary: the KV pool HybridLinearKVPool is not supported: .*run with --kv-canary none"),
+    (dict(token_to_kv_pool=type("HybridLinearKVPool", (types.SimpleNamespace,), {})(
+        full_kv_pool=None)),
+     "^kv-canary: the hybrid linear pool is guarded around an MHATokenToKVPool, this one holds "
+     "a NoneType"),
     (dict(token_to_kv_pool=kv_pool(np.zeros((9, 1, 4, 1, 8)), "PoolOfATomorrowVersion")),
      "^kv-canary: the KV pool PoolOfATomorrowVersion is not supported: the canary knows only "
      "MHATokenToKVPool, SWAKVPool"),
     (dict(server_args=types.SimpleNamespace(attention_backend="fa_mha")),
      "attention backend 'fa_mha' is not supported"),
     (dict(memory_pools=types.SimpleNamespace(_pools={"token_to_kv_pool": 0, "recurrent": 0},
-                                             replace_all=print)), "hybrid or recurrent"),
+                                             replace_all=print)),
+     r"supports a MemoryPools of token_to_kv_pool with the KV pool MHATokenToKVPool, this runner "
+     r"has \('recurrent', 'token_to_kv_pool'\)"),
 ])
 def test_runner_layouts_refuse_what_they_cannot_cover(change, message):
     kv0 = np.zeros((9, 1, 4, 1, 8), np.float32)

@@ -39,6 +39,13 @@ the map, as the TPU path's transfer does: the map is a numpy leaf of the pool, w
 aliases, so under the overlap scheduler the next batch's allocations and frees rewrote the map
 while the step in flight read it (the ``cache-loc-alias`` problem again, seen as an occasional
 wrong answer with the canary silent: the canary checks the map as it was at the call).
+
+``serve_hybrid_linear_pool_on_cpu`` lets the hybrid linear pool (``HybridLinearKVPool``: the
+full-attention layers' KV of Qwen3.5 and Kimi-Linear, whose linear-attention layers keep a
+recurrent state per request instead) serve on the native backend, which writes through
+``set_kv_buffer_legacy``: the pool lacks it (the stock server dies at its precompile with
+``'HybridLinearKVPool' object has no attribute 'set_kv_buffer_legacy'``); the stand-in forwards it
+to the inner MHA pool with the layer id translated.
 """
 
 from __future__ import annotations
@@ -233,6 +240,23 @@ def serve_swa_pool_on_cpu() -> None:
     NativeAttention.__call__ = call
 
 
+def serve_hybrid_linear_pool_on_cpu() -> None:
+    """The hybrid linear pool (``HybridLinearKVPool``: Qwen3.5, Kimi-Linear) serves on the native
+    backend: ``set_kv_buffer_legacy``, which the native backend calls on the CPU and only the
+    single pools have (the stock server dies at its precompile), forwarded to the inner pool with
+    the layer's global id translated as the pool's other accessors do."""
+    from sgl_jax.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    if hasattr(HybridLinearKVPool, "set_kv_buffer_legacy"):
+        return
+
+    def set_kv_buffer_legacy(self, layer_id, loc, cache_k, cache_v):
+        return self.full_kv_pool.set_kv_buffer_legacy(self._to_physical(layer_id), loc, cache_k,
+                                                      cache_v)
+
+    HybridLinearKVPool.set_kv_buffer_legacy = set_kv_buffer_legacy
+
+
 def install() -> None:
     """Put the stand-ins in place (in this process) unless JAX runs on a TPU."""
     if jax.default_backend() == "tpu":
@@ -243,3 +267,4 @@ def install() -> None:
     keep_fa_on_cpu()
     own_page_table_buffers()
     serve_swa_pool_on_cpu()
+    serve_hybrid_linear_pool_on_cpu()

@@ -230,10 +230,13 @@ class _Runner:
     """What the canary needs from one ``ModelRunner`` (subclasses: the two layouts).
 
     Attributes: ``groups`` (``("FULL",)``, or ``("FULL", "SWA")`` for a hybrid sliding-window
-    pool), ``layer`` (per group, the global id of the layer whose KV is fingerprinted: the first
-    of the group's layers), ``geometries`` (per group, that layer's ``FusedGeometry``; ``geometry``
-    is the FULL one), ``swa_window`` (the sliding window, 0 without SWA), ``page_size``,
-    ``latent`` (the ``LatentDims`` of an absorbed-MLA latent pool, else None)."""
+    pool), ``layer`` (per group, the layer whose KV is fingerprinted, the first of the group's
+    layers, as its index in a step's list of KV buffers: its global id, but 0 with the hybrid
+    linear pool, whose list holds the full-attention layers only), ``geometries`` (per group,
+    that layer's ``FusedGeometry``; ``geometry`` is the FULL one), ``swa_window`` (the sliding
+    window, 0 without SWA), ``page_size``, ``latent`` (the ``LatentDims`` of an absorbed-MLA
+    latent pool, else None), ``recurrent`` (the hybrid linear pool: the model's linear-attention
+    layers keep a recurrent state per request, which the canary does not check)."""
 
     def __init__(self, runner):
         _need(callable(getattr(runner, "jitted_run_model", None)), "jitted_run_model")
@@ -247,12 +250,17 @@ class _Runner:
                              f"dp_size={runner.dp_size}")
         self.runner = runner
         self.groups, self.layer, self.swa_window, self.latent = ("FULL",), {"FULL": 0}, 0, None
+        self.recurrent = pools.is_recurrent(pool)
+        if self.recurrent and type(pool.full_kv_pool).__name__ != "MHATokenToKVPool":
+            raise ValueError("kv-canary: the hybrid linear pool is guarded around an "
+                             "MHATokenToKVPool, this one holds a "
+                             f"{type(pool.full_kv_pool).__name__}")
         if pools.is_swa(pool):
             self.groups, self.swa_window = ("FULL", "SWA"), int(runner.sliding_window_size)
             self.layer = {"FULL": min(l for l, (_, swa) in pool.layers_mapping.items() if not swa),
                           "SWA": min(l for l, (_, swa) in pool.layers_mapping.items() if swa)}
         else:
-            _need(isinstance(getattr(pool, "kv_buffer", None), list),
+            _need(isinstance(getattr(self._pool(), "kv_buffer", None), list),
                   "token_to_kv_pool.kv_buffer list")
             if pools.is_latent(pool):
                 self.latent = LatentDims(int(pool.nope_dim), int(pool.rope_dim))
@@ -275,9 +283,14 @@ class _Runner:
         """The FULL group's ``FusedGeometry``."""
         return self.geometries["FULL"]
 
+    def _pool(self):
+        """The pool whose ``kv_buffer`` list holds the KV (the hybrid linear pool's inner one)."""
+        pool = self.runner.token_to_kv_pool
+        return pool.full_kv_pool if self.recurrent else pool
+
     def _buffers(self, group: str):
         """The list holding ``group``'s fingerprinted layer, and its index there."""
-        pool = self.runner.token_to_kv_pool
+        pool = self._pool()
         if len(self.groups) == 1:
             return pool.kv_buffer, 0
         index, _ = pool.layers_mapping[self.layer[group]]
@@ -342,11 +355,13 @@ class PoolsRunner(_Runner):
         super().__init__(runner)
         pools = runner.memory_pools
         _need(callable(getattr(pools, "replace_all", None)), "memory_pools.replace_all")
-        names = tuple(getattr(pools, "_pools", {}) or {})
-        if names != ("token_to_kv_pool",):
-            raise ValueError("kv-canary: the sglang-jax integration supports a MemoryPools of one "
-                             f"token_to_kv_pool, this runner has {names} (hybrid or recurrent "
-                             "model?)")
+        names = tuple(sorted(getattr(pools, "_pools", {}) or {}))
+        expected = (("recurrent_state_pool", "token_to_kv_pool") if self.recurrent
+                    else ("token_to_kv_pool",))
+        if names != expected:
+            raise ValueError(f"kv-canary: the sglang-jax integration supports a MemoryPools of "
+                             f"{' and '.join(expected)} with the KV pool "
+                             f"{type(runner.token_to_kv_pool).__name__}, this runner has {names}")
 
     @staticmethod
     def layers(outputs):

@@ -13,9 +13,16 @@ from __future__ import annotations
 
 from typing import Optional
 
-#: the pool classes the canary guards: one fused K/V buffer per layer, indexed by slot; and the
-#: hybrid sliding-window pool (two such pools and a full-to-SWA slot map: FULL and SWA groups)
-GUARDED = ("MHATokenToKVPool", "SWAKVPool")
+#: the pool classes the canary guards: one fused K/V buffer per layer, indexed by slot; the
+#: hybrid sliding-window pool (two such pools and a full-to-SWA slot map: FULL and SWA groups);
+#: and the hybrid linear pool's token KV (one such pool for the full-attention layers; the
+#: linear-attention layers' recurrent state, held per request in another pool, is not checked)
+GUARDED = ("MHATokenToKVPool", "SWAKVPool", "HybridLinearKVPool")
+
+#: the line that says what the canary does not check with the hybrid linear pool
+RECURRENT_NOTICE = ("kv-canary: the recurrent state of the model's linear-attention layers "
+                    "(RecurrentStatePool, one slot per request) is not checked: the canary guards "
+                    "the full-attention layers' KV only")
 
 #: why each pool class sglang-jax main has (``mem_cache/memory_pool.py``) is not guarded, and what
 #: serves the same model with a guarded pool
@@ -25,8 +32,6 @@ UNGUARDED = {
                          "been tested on the CPU, not yet served on a TPU",
                          "use --attention-backend native (MLA with decompressed K/V in an MHA "
                          "pool)"),
-    "HybridLinearKVPool": ("the recurrent state of its linear-attention layers is held per "
-                           "request, outside the KV slots the canary checks", None),
 }
 
 
@@ -37,6 +42,12 @@ LATENT = ("MLATokenToKVPool",)
 def is_latent(pool) -> bool:
     """Whether ``pool`` is sglang-jax's absorbed-MLA latent pool (one latent row per slot)."""
     return type(pool).__name__ in LATENT
+
+
+def is_recurrent(pool) -> bool:
+    """Whether ``pool`` is sglang-jax's hybrid linear pool (the full-attention layers' MHA pool
+    inside; the linear-attention layers keep a recurrent state per request elsewhere)."""
+    return type(pool).__name__ == "HybridLinearKVPool"
 
 
 def is_swa(pool) -> bool:
@@ -78,22 +89,26 @@ def swa_refusals(server_args) -> list:
     return out
 
 
-def engine_pool_class(server_args, model_config) -> str:
-    """The class of the token KV pool sglang-jax main's ``ModelRunner`` builds for
-    ``model_config`` (its ``ModelConfig``) under ``server_args``: the decision of
-    ``ModelRunner.initialize`` (hybrid SWA) and of ``_init_pools`` / ``_maybe_wrap_hybrid_kv_pool``
-    (``model_runner_kv_cache_mixin.py``), read from the model's config (nothing is loaded)."""
+def engine_pools(server_args, model_config) -> list:
+    """The classes of the token KV pool sglang-jax main's ``ModelRunner`` builds for
+    ``model_config`` (its ``ModelConfig``) under ``server_args``, outermost first (the hybrid
+    linear pool wraps an inner pool): the decision of ``ModelRunner.initialize`` (hybrid SWA) and
+    of ``_init_pools`` / ``_maybe_wrap_hybrid_kv_pool`` (``model_runner_kv_cache_mixin.py``), read
+    from the model's config (nothing is loaded)."""
     from sgl_jax.srt.configs.model_config import AttentionArch
 
-    if _linear_recurrent(model_config.hf_config):
-        return "HybridLinearKVPool"
     window = getattr(model_config, "sliding_window", None)
-    if not server_args.disable_hybrid_swa_memory and window is not None and window > 0:
-        return "SWAKVPool"
-    if (model_config.attention_arch == AttentionArch.MLA
-            and server_args.attention_backend in ("fa", "dsa_sparse")):
-        return "MLATokenToKVPool"
-    return "MHATokenToKVPool"
+    if (not _linear_recurrent(model_config.hf_config) and not server_args.disable_hybrid_swa_memory
+            and window is not None and window > 0):
+        return ["SWAKVPool"]
+    inner = ("MLATokenToKVPool" if model_config.attention_arch == AttentionArch.MLA
+             and server_args.attention_backend in ("fa", "dsa_sparse") else "MHATokenToKVPool")
+    return ["HybridLinearKVPool", inner] if _linear_recurrent(model_config.hf_config) else [inner]
+
+
+def engine_pool_class(server_args, model_config) -> str:
+    """The outermost of ``engine_pools``: the class of the runner's ``token_to_kv_pool``."""
+    return engine_pools(server_args, model_config)[0]
 
 
 def _linear_recurrent(hf_config) -> bool:

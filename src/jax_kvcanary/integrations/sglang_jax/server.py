@@ -132,10 +132,11 @@ def model_refusals(server_args, config: Optional[CanaryConfig] = None,
         cfg = ModelConfig.from_server_args(server_args)
     except Exception:  # the stock server reports a model it cannot read
         return []
-    pool = pools.engine_pool_class(server_args, cfg)
-    line = pools.refusal(pool)
-    if line:
-        return [line]
+    built = pools.engine_pools(server_args, cfg)
+    for line in map(pools.refusal, built):
+        if line:
+            return [line + (f" (inside the {built[0]})" if len(built) > 1 else "")]
+    pool = built[0]
     if inject is not None and inject.on_swa and pool != "SWAKVPool":
         what = inject.kind if inject.kind in SWA_KINDS else f"{inject.kind} on the SWA group"
         return [f"kv-canary: --kv-canary-inject {what} is not supported with the KV pool "
@@ -252,6 +253,8 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
                          ", metrics on /metrics" if metrics is not None else ""]),
                 (f"; fault to inject: {inject.kind} from step {inject.step}"
                  + (" on the SWA group" if inject.on_swa else "")) if inject else "")
+    if canary.layout.recurrent:
+        logger.warning(pools.RECURRENT_NOTICE)
     return canary
 
 
