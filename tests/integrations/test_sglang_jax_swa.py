@@ -154,3 +154,21 @@ def test_faults_aimed_at_the_swa_group_are_reported(model_dir, tmp_path, kind):
         assert all(r[0].endswith("_SWA") for r in reports), reports
     check_acted_on(mode, reply, log)
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_a_flipped_byte_in_a_cached_prefix_is_found_by_a_sweep_of_the_swa_radix_cache(model_dir,
+                                                                                       tmp_path):
+    """``real_kv_unused_cache`` on the hybrid pool: a byte of a slot the SWA radix cache holds and
+    no running request reads, flipped in the first full layer's KV; the sweep of the SWA radix
+    cache (its FULL group) reports it within two steps."""
+    with server(model_dir, tmp_path, "--kv-canary", "log", *RATIO, "--kv-canary-sweep-interval",
+                "1", "--kv-canary-inject", "real_kv_unused_cache", "--kv-canary-inject-step", "20",
+                name="unused-cache") as srv:
+        srv.generate(PAIR[1], 8, ignore_eos=True)                  # a cached prefix, unused later
+        srv.generate(PROMPT, 40, ignore_eos=True)
+        injected, reports, log = srv.injected(), srv.reports(), srv.log()
+    assert injected is not None and injected[0] == "real_kv_unused_cache", log[-3000:]
+    swept = [p for t, why, _, p in reports
+             if t == "SWEEP_K_FULL" and "verify_real_kv_hash" in why.split("+")]
+    assert swept and min(swept) <= injected[1] + 2, reports
+    assert "Traceback" not in log, log[-3000:]
