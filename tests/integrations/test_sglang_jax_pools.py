@@ -27,7 +27,8 @@ from sgl_jax.srt.server_args import ServerArgs  # noqa: E402
 from jax_kvcanary.integrations.sglang_jax import pools, server  # noqa: E402
 from jax_kvcanary.runtime import CanaryConfig  # noqa: E402
 from tests.support.pool_models import write_model_config  # noqa: E402
-from tests.support.sglang_fakes import fake_runner, kv_pool  # noqa: E402
+from tests.support.sglang_fakes import (fake_runner, forward_batch, kv_pool,  # noqa: E402
+                                        serving_runner)
 from tests.support.tiny_deepseek_v3 import write_tiny_deepseek_v3  # noqa: E402
 
 PROMPTS = ["what is the capital of france", "the key value cache holds the keys",
@@ -125,6 +126,36 @@ def test_a_pool_found_unguarded_in_the_scheduler_ends_the_server(caplog):
     assert str(e.value).startswith(pools.refusal("NextYearsKVPool"))
     assert "the server does not start without the canary" in str(e.value)
     assert str(e.value) in caplog.text
+
+
+def test_an_engine_error_in_its_own_precompile_is_not_reported_as_the_canary_s(caplog):
+    """A model call of the engine's precompile that fails inside the engine (e.g. a pool whose
+    CPU write path sglang-jax lacks) ends the server with a line that says so, not with
+    "compiling the canary failed" and a hint to serve unguarded."""
+    runner = serving_runner()
+    runner.jitted_run_model = lambda fb, lm: (_ for _ in ()).throw(
+        AttributeError("'HybridLinearKVPool' object has no attribute 'set_kv_buffer_legacy'"))
+    mesh = runner.mesh
+
+    def run_precompile():
+        runner.jitted_run_model(forward_batch(
+            mesh, bid=0, decode=True, req_pool_indices=[1], seq_lens=[1], cache_loc=[1],
+            input_ids=[5], positions=[0], out_cache_loc=[1]), None)
+
+    scheduler = types.SimpleNamespace(
+        tp_worker=types.SimpleNamespace(get_model_runner=lambda: runner,
+                                        run_precompile=run_precompile,
+                                        forward_batch_generation=print),
+        tree_cache=None, spec_algorithm=None, run_batch=print, process_batch_result=print,
+        server_args=types.SimpleNamespace(enable_metrics=False), token_to_kv_pool_allocator=None)
+    with caplog.at_level(logging.ERROR), pytest.raises(server.GuardError) as e:
+        server.attach(scheduler, server.Guard(CanaryConfig(mode="log", health_interval=0)),
+                      precompile=True, logger=logging.getLogger("kvc-test"))
+    assert str(e.value).startswith("kv-canary: sglang-jax's own model call failed in its "
+                                   "precompile (AttributeError: 'HybridLinearKVPool' object has "
+                                   "no attribute 'set_kv_buffer_legacy'), before the canary's "
+                                   "step ran"), str(e.value)
+    assert "compiling the canary failed" not in caplog.text
 
 
 # -- MLA, native backend: the decompressed K/V in an MHA pool, guarded ---------------------------

@@ -557,7 +557,11 @@ class SglangJaxCanary:
             self.request_sweep()                       # the caller's thread: its radix tree
         swa_lut = self._swa_map_snapshot()
         t1 = time.perf_counter()
-        outputs = self._original(forward_batch, logits_metadata)
+        try:
+            outputs = self._original(forward_batch, logits_metadata)
+        except Exception as e:
+            e.kv_canary_engine_error = True            # the engine's own call, not the canary's
+            raise
         t2 = time.perf_counter()
         kvs = self.layout.step_kvs(outputs)            # the KV as the forward left it
         # held from the launch (which donates the canary state) to the readback, so that the

@@ -231,6 +231,12 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
     try:
         canary.precompile(functools.partial(engine_precompile, scheduler) if precompile else None)
     except Exception as e:
+        if getattr(e, "kv_canary_engine_error", False):
+            message = (f"kv-canary: sglang-jax's own model call failed in its precompile "
+                       f"({type(e).__name__}: {e}), before the canary's step ran: the engine "
+                       "cannot serve this setting here (see whether --kv-canary none starts)")
+            logger.error("%s", message)
+            raise GuardError(message) from e
         raise _unguarded(logger, f"kv-canary: compiling the canary failed ({type(e).__name__}: "
                                  f"{e})") from e
     try:
