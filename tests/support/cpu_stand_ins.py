@@ -46,6 +46,9 @@ recurrent state per request instead) serve on the native backend, which writes t
 ``set_kv_buffer_legacy``: the pool lacks it (the stock server dies at its precompile with
 ``'HybridLinearKVPool' object has no attribute 'set_kv_buffer_legacy'``); the stand-in forwards it
 to the inner MHA pool with the layer id translated.
+
+``verify_spec_on_cpu`` runs speculative decoding's greedy verify kernel (Pallas, TPU only) in
+Pallas' TPU interpret mode, so that EAGLE3 serves on the CPU with ``fa``.
 """
 
 from __future__ import annotations
@@ -257,6 +260,29 @@ def serve_hybrid_linear_pool_on_cpu() -> None:
     HybridLinearKVPool.set_kv_buffer_legacy = set_kv_buffer_legacy
 
 
+def verify_spec_on_cpu() -> None:
+    """Speculative decoding's greedy verify (``kernels/speculative/verify_tree_greedy_kernel``,
+    a Pallas kernel: "Only interpret mode is supported on CPU backend") runs in Pallas' TPU
+    interpret mode: the kernel module's ``pl.pallas_call`` gets ``interpret`` by default."""
+    import types
+
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+    from sgl_jax.srt.kernels.speculative import verify_tree_greedy_kernel as kernel
+
+    if getattr(kernel.pl, "interprets", False):
+        return
+    interpret = pltpu.InterpretParams() if hasattr(pltpu, "InterpretParams") else True
+
+    def pallas_call(*args, **kwargs):
+        kwargs.setdefault("interpret", interpret)
+        return pl.pallas_call(*args, **kwargs)
+
+    shim = types.SimpleNamespace(**{n: getattr(pl, n) for n in dir(pl) if not n.startswith("__")})
+    shim.pallas_call, shim.interprets = pallas_call, True
+    kernel.pl = shim
+
+
 def install() -> None:
     """Put the stand-ins in place (in this process) unless JAX runs on a TPU."""
     if jax.default_backend() == "tpu":
@@ -268,3 +294,4 @@ def install() -> None:
     own_page_table_buffers()
     serve_swa_pool_on_cpu()
     serve_hybrid_linear_pool_on_cpu()
+    verify_spec_on_cpu()

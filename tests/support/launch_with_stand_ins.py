@@ -1,14 +1,15 @@
 """The kv-canary launcher with the CPU stand-ins of sglang-jax's TPU-only kernels in place
-(``cpu_stand_ins``), for tests of HiCache and PD on the CPU: ``python -m
-tests.support.launch_with_stand_ins ARGS`` takes the launcher's arguments. The stand-ins are
-installed at import, so the spawned scheduler process (which imports this main module again) has
-them too."""
+(``cpu_stand_ins``) and the test-only patches of engine bugs that would end the servers
+(``engine_patches``), for tests of the features built on them on the CPU: ``python -m
+tests.support.launch_with_stand_ins ARGS`` takes the launcher's arguments. Both are installed at
+import, so the spawned scheduler process (which imports this main module again) has them too."""
 
 import sys
 
-from tests.support import cpu_stand_ins
+from tests.support import cpu_stand_ins, engine_patches
 
 cpu_stand_ins.install()
+engine_patches.free_eagle_tail_slot()
 
 if __name__ == "__main__":
     from jax_kvcanary.integrations.sglang_jax import launch_server
