@@ -15,7 +15,8 @@ their own) without the overlap scheduler (which has no non-fused EAGLE3 decode).
 
 import pytest
 
-from tests.support.sglang_server import TINY_ENGINE_ARGS, Server, installed_sglang_jax
+from tests.support.sglang_server import (PREFIX_HIT, PROMPTS, STAND_INS, Server, engine_args,
+                                        installed_sglang_jax)
 
 pytestmark = pytest.mark.integration
 if installed_sglang_jax() != "main":
@@ -23,10 +24,6 @@ if installed_sglang_jax() != "main":
 
 from tests.support.tiny_eagle3 import write_tiny_eagle3_draft, write_tiny_llama_target  # noqa: E402
 
-STAND_INS = "tests.support.launch_with_stand_ins"
-PROMPTS = ["what is the capital of france", "the key value cache holds the keys",
-           "numbers like 0 1 2 3 4 5", "alpha beta gamma delta"]
-PREFIX_HIT = PROMPTS[0] + " and why did the server answer wrong"
 EAGLE3 = ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
           "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
           "--disable-overlap-schedule")
@@ -42,9 +39,7 @@ def models(tmp_path_factory):
 
 
 def server(models, tmp_path, *args, name, env=None):
-    engine = list(TINY_ENGINE_ARGS)
-    engine[engine.index("--attention-backend") + 1] = "fa"
-    return Server(["--model-path", models[0], *engine, "--page-size", "1", "--kv-canary", "none",
+    return Server(["--model-path", models[0], *engine_args("fa"), "--page-size", "1", "--kv-canary", "none",
                    *args], str(tmp_path / f"{name}.log"), module=STAND_INS, env=env)
 
 

@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from tests.support.sglang_server import (TINY_ENGINE_ARGS, Server, check_acted_on,
-                                        installed_sglang_jax)
+from tests.support.sglang_server import (PREFIX_HIT, PROMPTS, STAND_INS, Server, check_acted_on,
+                                        engine_args, installed_sglang_jax)
 
 pytestmark = pytest.mark.integration
 if installed_sglang_jax() != "main":
@@ -21,10 +21,6 @@ if installed_sglang_jax() != "main":
 
 from tests.support.tiny_qwen2 import write_tiny_qwen2  # noqa: E402
 
-STAND_INS = "tests.support.launch_with_stand_ins"
-PROMPTS = ["what is the capital of france", "the key value cache holds the keys",
-           "numbers like 0 1 2 3 4 5", "alpha beta gamma delta"]
-PREFIX_HIT = PROMPTS[0] + " and why did the server answer wrong"
 LONG = " ".join(["a canary record per slot holds the token, its position and a hash"] * 10)
 TOKEN_FLAGS = ("--kv-canary-write-input-assert", "--kv-canary-token-check")
 
@@ -35,9 +31,8 @@ def model_dir(tmp_path_factory):
 
 
 def server(model_dir, tmp_path, backend, page_size, *args, name):
-    engine = list(TINY_ENGINE_ARGS)
-    engine[engine.index("--attention-backend") + 1] = backend
-    return Server(["--model-path", model_dir, *engine, "--page-size", str(page_size), *args],
+    return Server(["--model-path", model_dir, *engine_args(backend), "--page-size", str(page_size),
+                   *args],
                   str(tmp_path / f"{name}.log"), module=STAND_INS)
 
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.support.sglang_server import TINY_ENGINE_ARGS, Server, installed_sglang_jax
+from tests.support.sglang_server import STAND_INS, TINY_ENGINE_ARGS, Server, installed_sglang_jax
 
 pytestmark = pytest.mark.integration
 if installed_sglang_jax() != "main":
@@ -23,7 +23,6 @@ if installed_sglang_jax() != "main":
 
 from tests.support.tiny_qwen2 import write_tiny_qwen2  # noqa: E402
 
-STAND_INS = "tests.support.launch_with_stand_ins"
 HICACHE_ARGS = ("--max-total-tokens", "512", "--hicache-storage", "none", "--hicache-ratio", "8",
                 "--chunked-prefill-size", "512", "--precompile-token-paddings", "64", "512")
 #: (prompt, length): A is backed up when it is hit again, evicted by B, loaded back at its last two

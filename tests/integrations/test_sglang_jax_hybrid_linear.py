@@ -13,7 +13,7 @@ run with ``--disable-radix-cache``, or ``--enable-unified-radix-tree`` (page siz
 
 import pytest
 
-from tests.support.sglang_server import (TINY_ENGINE_ARGS, Server, check_acted_on,
+from tests.support.sglang_server import (STAND_INS, TINY_ENGINE_ARGS, Server, check_acted_on,
                                         installed_sglang_jax)
 
 pytestmark = pytest.mark.integration
@@ -23,7 +23,6 @@ if installed_sglang_jax() != "main":
 from jax_kvcanary.integrations.sglang_jax.pools import RECURRENT_NOTICE  # noqa: E402
 from tests.support.tiny_qwen3_5 import CPU_ARGS, write_tiny_qwen3_5  # noqa: E402
 
-STAND_INS = "tests.support.launch_with_stand_ins"
 PROMPTS = ["the key value cache holds the keys and values of every token a request has seen",
            "alpha beta gamma delta", "what is the capital of france"]
 NEW = 40

@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from tests.support.sglang_server import (LAUNCHER, TINY_ENGINE_ARGS, Server, free_port,
-                                         installed_sglang_jax)
+from tests.support.sglang_server import (LAUNCHER, PREFIX_HIT, PROMPTS, TINY_ENGINE_ARGS, Server,
+                                         free_port, installed_sglang_jax)
 from tests.support.tiny_qwen2 import write_tiny_qwen2
 
 pytestmark = pytest.mark.integration
@@ -33,9 +33,6 @@ if installed_sglang_jax() != "main":
                 "these tests need sglang-jax's main branch", allow_module_level=True)
 import sgl_jax.launch_server  # noqa: E402,F401  (a broken install fails here, it does not skip)
 
-PROMPTS = ["what is the capital of france", "the key value cache holds the keys",
-           "numbers like 0 1 2 3 4 5", "alpha beta gamma delta"]
-PREFIX_HIT = PROMPTS[0] + " and why did the server answer wrong"
 LONG = " ".join(["a canary record per slot holds the token, its position and a hash"] * 10)
 CHUNK = 64
 ABORT_TOKENS = 24

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from tests.support.sglang_server import (TINY_ENGINE_ARGS, Server, check_acted_on,
+from tests.support.sglang_server import (STAND_INS, TINY_ENGINE_ARGS, Server, check_acted_on,
                                         installed_sglang_jax)
 
 pytestmark = pytest.mark.integration
@@ -22,7 +22,6 @@ if installed_sglang_jax() != "main":
 
 from tests.support.tiny_gemma2 import WINDOW, write_tiny_gemma2  # noqa: E402
 
-STAND_INS = "tests.support.launch_with_stand_ins"
 PROMPT = "the key value cache holds the keys and values of every token a request has seen"
 PAIR = ["what is the capital of france and how many tokens fit in a page",
         "alpha beta gamma delta epsilon zeta eta theta"]

@@ -15,9 +15,8 @@ import os
 import socket
 from typing import List, Optional, Sequence
 
-from tests.support.sglang_server import TINY_ENGINE_ARGS, Server, free_port
+from tests.support.sglang_server import STAND_INS, TINY_ENGINE_ARGS, Server, free_port
 
-STAND_INS = "tests.support.launch_with_stand_ins"
 #: PD pulls whole pages (page size 128 is sglang-jax's PD bucket); no prefix cache on either side
 PD_ENGINE_ARGS = ("--page-size", "128", "--disable-radix-cache", "--chunked-prefill-size", "128",
                   "--precompile-token-paddings", "128")

@@ -34,6 +34,20 @@ TINY_ENGINE_ARGS = (
     "--mem-fraction-static", "0.1", "--precompile-bs-paddings", "4",
     "--precompile-token-paddings", "64", "--chunked-prefill-size", "64",
     "--random-seed", "42", "--context-length", "1024")
+#: prompts the server tests send the tiny models, and one that hits the first one's cached prefix
+PROMPTS = ["what is the capital of france", "the key value cache holds the keys",
+           "numbers like 0 1 2 3 4 5", "alpha beta gamma delta"]
+PREFIX_HIT = PROMPTS[0] + " and why did the server answer wrong"
+#: the launcher with the CPU stand-ins of sglang-jax's TPU-only kernels in place
+#: (``tests/support/launch_with_stand_ins.py``)
+STAND_INS = "tests.support.launch_with_stand_ins"
+
+
+def engine_args(attention_backend: str) -> list:
+    """``TINY_ENGINE_ARGS`` with ``attention_backend`` instead of ``native``."""
+    args = list(TINY_ENGINE_ARGS)
+    args[args.index("--attention-backend") + 1] = attention_backend
+    return args
 
 
 def free_port() -> int:

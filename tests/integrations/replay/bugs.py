@@ -7,12 +7,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Tuple
 
-from tests.support.sglang_server import LAUNCHER, TINY_ENGINE_ARGS
+from tests.support.sglang_server import LAUNCHER, STAND_INS, TINY_ENGINE_ARGS
 
 from .runner import Workload
 
 #: the launcher with the CPU stand-ins of sglang-jax's TPU-only kernels (HiCache loads need one)
-STAND_INS = "tests.support.launch_with_stand_ins"
 #: prompts one at a time on a 512-slot pool: A is backed up to the host when hit, evicted by the
 #: long B, recomputed when the device has no room to load it back (reviving its tombstone), then
 #: hit again after other requests took slots

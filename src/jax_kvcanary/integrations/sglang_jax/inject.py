@@ -181,24 +181,24 @@ def _running(batch):
     return out
 
 
-def _edit_kv0_row(layout, slot: int, edit, group: str = "FULL") -> None:
+def _edit_kv_row(layout, slot: int, edit, group: str = "FULL") -> None:
     """Apply ``edit`` to ``slot``'s token row of ``group``'s fingerprinted layer (layer 0 without
     SWA), as bytes (every K and V head)."""
-    kv0 = layout.kv(group)
-    arr = np.array(kv0)
+    kv = layout.kv(group)
+    arr = np.array(kv)
     edit(arr.reshape(layout.geometries[group].num_slots, -1).view(np.uint8)[slot])
-    layout.set_kv(jax.device_put(arr, kv0.sharding), group)
+    layout.set_kv(jax.device_put(arr, kv.sharding), group)
 
 
 def _flip_byte(layout, slot: int, group: str = "FULL") -> None:
     """XOR the first byte of ``slot``'s token row (K head 0) of ``group``'s fingerprinted layer
     with 0xFF."""
-    _edit_kv0_row(layout, slot, lambda row: row.__setitem__(0, row[0] ^ 0xFF), group)
+    _edit_kv_row(layout, slot, lambda row: row.__setitem__(0, row[0] ^ 0xFF), group)
 
 
 def _zero_slot(layout, slot: int) -> None:
     """Zero ``slot``'s token row of layer 0's KV (every K and V head)."""
-    _edit_kv0_row(layout, slot, lambda row: row.fill(0))
+    _edit_kv_row(layout, slot, lambda row: row.fill(0))
 
 
 def _free_in_use(alloc, pages) -> None:

@@ -106,11 +106,6 @@ def engine_pools(server_args, model_config) -> list:
     return ["HybridLinearKVPool", inner] if _linear_recurrent(model_config.hf_config) else [inner]
 
 
-def engine_pool_class(server_args, model_config) -> str:
-    """The outermost of ``engine_pools``: the class of the runner's ``token_to_kv_pool``."""
-    return engine_pools(server_args, model_config)[0]
-
-
 def _linear_recurrent(hf_config) -> bool:
     """Whether sglang-jax sees linear-attention (recurrent) layers in the model: its
     ``ModelRunner.linear_recurrent_config``, from the same config readers."""
