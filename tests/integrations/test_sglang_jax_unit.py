@@ -175,7 +175,8 @@ def test_refusals_name_the_setting_and_the_fix():
     cases = [
         (dict(dp_size=2), "kv-canary: --dp-size 2 is not supported"),
         (dict(nnodes=2, tp_size=2), "kv-canary: --nnodes 2 is not supported"),
-        (dict(speculative_algorithm="EAGLE"), "kv-canary: --speculative-algorithm EAGLE"),
+        (dict(speculative_algorithm="NEXTN"), "kv-canary: --speculative-algorithm NEXTN is not "
+                                              "supported: the canary guards EAGLE and EAGLE3"),
         (dict(enable_lora=True), "kv-canary: --enable-lora is not supported"),
         (dict(hicache_storage="file"), "kv-canary: --hicache-storage file is not supported"),
         (dict(attention_backend="fa_mha"), "kv-canary: --attention-backend fa_mha"),
@@ -290,7 +291,8 @@ def test_the_step_path_copies_nothing_to_the_device_and_compiles_once_per_bucket
                       cache_loc=loc, input_ids=np.array([5, 6, 0, 0], np.int32),
                       positions=np.maximum(seq - 1, 0),
                       out_cache_loc=np.array([1, 2, -1, -1], np.int32))
-        fb = types.SimpleNamespace(forward_mode=types.SimpleNamespace(is_decode=lambda: True),
+        fb = types.SimpleNamespace(forward_mode=types.SimpleNamespace(is_decode=lambda: True,
+                                                                      is_target_verify=lambda: False),
                                    extend_prefix_lens=None, extend_seq_lens=None,
                                    **{k: jax.device_put(v, data) for k, v in arrays.items()})
         return fb

@@ -49,7 +49,8 @@ def forward_batch(mesh, *, bid: int, decode: bool, req_pool_indices, seq_lens, c
     put = {k: None if v is None else jax.device_put(np.asarray(v, np.int32), data)
            for k, v in arrays.items()}
     return types.SimpleNamespace(bid=bid, forward_mode=types.SimpleNamespace(
-        is_decode=lambda: decode, is_extend=lambda: not decode), **put)
+        is_decode=lambda: decode, is_extend=lambda: not decode, is_target_verify=lambda: False),
+        **put)
 
 
 class FakeReq:

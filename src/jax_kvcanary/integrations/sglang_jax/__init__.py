@@ -16,17 +16,19 @@ Supported: sglang-jax 0.0.2 and its main branch (``layout``: the runner's layout
 version string), the overlap scheduler and the non-overlap one, page sizes 1 and above, the native
 and fa attention backends, ``--enable-single-process``, the AOT dispatcher, tensor parallelism
 (main: one canary state per device of the ``tensor`` axis, each checking its own KV heads), the
-write-input assert and the token check (main: ``tokens``).
+write-input assert and the token check (main: ``tokens``), EAGLE and EAGLE3 speculative decoding
+with top-k 1 (the target model's KV, its non-fused path: ``speculative``).
 The KV pools of ``pools.GUARDED`` (``MHATokenToKVPool``: every model served with it, MLA on the
 native backend too; ``SWAKVPool``: FULL and SWA groups, native backend, one device).
 Refused before start (``server.refusals``, ``server.model_refusals``): several nodes, data
-parallelism, speculative decoding, LoRA, multimodal, PD with Raiden / D2H / tensor parallelism,
+parallelism, other speculative decoding (``speculative.refusals``), LoRA, multimodal, PD with Raiden / D2H / tensor parallelism,
 HiCache's L3 tier, what the SWA guard lacks (``pools.swa_refusals``) and the other KV pools (MLA
 latent, hybrid recurrent), by the pool class the engine would build; a scheduler that finds one
 anyway ends the server before it serves.
 
 Modules: ``canary`` (``SglangJaxCanary``: the wrapped model call and its checks), ``layout`` (the
-engine's arrays as the canary addresses them), ``server`` (refusals, the guarded scheduler), ``pools`` (which KV pool class
+engine's arrays as the canary addresses them), ``server`` (refusals, the guarded scheduler), ``speculative`` (EAGLE's
+guard, refusals and health check), ``pools`` (which KV pool class
 the engine builds, which ones are guarded),
 ``launch_server`` (the command), ``tokens`` (the intended tokens the write-input assert and the
 token check read), ``request_guard`` (the requests a violation concerns, found before their

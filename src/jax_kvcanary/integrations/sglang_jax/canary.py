@@ -68,7 +68,8 @@ from ...runtime.multidevice import global_view, local_view
 from ...runtime.sweep import DEFAULT_MIN_CAPACITY, bucket_capacity, build_group_sweep_plans
 from ...state import ViolationLog
 from .request_guard import batch_requests
-from .layout import LegacyRunner, page_table_batch, replicated, runner_layout, step_arrays
+from .layout import (LegacyRunner, page_table_batch, replicated, runner_layout, step_arrays,
+                     table_entries)
 from .metrics import COUNTERS_INTERVAL, CanaryTotals, PrometheusCounters
 from .tokens import TokenMirror, with_intended_tokens
 
@@ -426,7 +427,7 @@ class SglangJaxCanary:
         page_size, aligned, mesh = layout.page_size, layout.aligned_segments, self.runner.mesh
 
         def check(cstate, arrays, kvs, decode, mesh=mesh):
-            ep = self._endpoints(arrays["seq_lens"].shape[0], arrays["cache_loc"].shape[0])
+            ep = self._endpoints(arrays["seq_lens"].shape[0], table_entries(arrays, page_size))
             batch = page_table_batch(arrays, decode=decode, page_size=page_size, aligned=aligned,
                                      mesh=mesh)
             if "swa_lut" in arrays:

@@ -101,6 +101,7 @@ import jax
 import numpy as np
 
 from .canary import LOGGER, radix_chains
+from .layout import batch_lengths, step_arrays, token_table
 
 SCHEDULER_KINDS = ("req_to_token_swap", "slot_double_free", "real_kv_unused_cache")
 FORWARD_KINDS = ("real_kv_used", "wrong_position", "cache_loc_off_by_one",
@@ -318,12 +319,14 @@ class FaultInjector:
         if self.spec.kind not in FORWARD_KINDS or step < self.spec.step:
             return
         fb = forward_batch
-        seq = np.asarray(fb.seq_lens)
-        if seq.shape[0] == 0 or int(np.asarray(fb.req_pool_indices)[0]) < 0 or seq[0] < 3:
+        host = lambda a: np.asarray(a).astype(np.int64)
+        arrays = step_arrays(fb)                  # a verify's as its attention metadata has them
+        _, seq, prefixes, _ = batch_lengths(arrays, decode=bool(fb.forward_mode.is_decode()),
+                                            get=host, xp=np)
+        if seq.shape[0] == 0 or seq[0] < 3:
             return                                        # batch row 0 has no prefix to damage
-        prefix = (seq[0] - 1 if fb.forward_mode.is_decode()
-                  else int(np.asarray(fb.extend_prefix_lens)[0]))
-        loc = np.array(fb.cache_loc)
+        prefix = int(prefixes[0])
+        loc = np.array(token_table(arrays, layout.page_size, host, np))
         # the position aimed at: 0 / 1, or with the SWA group the last prefix position (inside
         # the window; batch row 0's segment of cache_loc starts at 0)
         swa = self.spec.on_swa

@@ -177,45 +177,105 @@ def replicated(mesh):
 
 def step_arrays(forward_batch) -> dict:
     """The arrays of an sglang-jax ``ForwardBatch`` the canary reads (on the device): the page
-    table ``cache_loc``, the lengths, and the step's tokens (extend lengths are None in DECODE)."""
+    table ``cache_loc``, the lengths, and the step's tokens (extend lengths are None in DECODE).
+
+    A speculative-decoding step (``TARGET_VERIFY``) is read from the attention metadata its
+    kernel reads (``attention_arrays``) instead of the batch's own lengths and page table."""
     fb = forward_batch
-    return {k: getattr(fb, k) for k in ("req_pool_indices", "seq_lens", "extend_prefix_lens",
-                                         "extend_seq_lens", "cache_loc", "input_ids", "positions",
-                                         "out_cache_loc")}
+    arrays = {k: getattr(fb, k) for k in ("req_pool_indices", "seq_lens", "extend_prefix_lens",
+                                           "extend_seq_lens", "cache_loc", "input_ids",
+                                           "positions", "out_cache_loc")}
+    if fb.forward_mode.is_target_verify():
+        arrays.update(attention_arrays(fb.attn_backend.forward_metadata))
+    return arrays
+
+
+def attention_arrays(metadata) -> dict:
+    """A step's lengths and page table as sglang-jax's ``fa`` attention backend reads them
+    (``FlashAttentionMetadata``): ``seq_lens`` the KV length of each batch row (its new tokens
+    included), ``cu_q_lens`` the cumulative new tokens (a row's new tokens lie at KV positions
+    ``[seq_len - q_len, seq_len)``), ``page_indices`` the pages of each row from the page-aligned
+    start ``cu_kv_lens[r]`` (``token_table``); ``cache_loc`` and the extend lengths None."""
+    return dict(seq_lens=metadata.seq_lens, cu_q_lens=metadata.cu_q_lens,
+                page_indices=metadata.page_indices, cache_loc=None, extend_prefix_lens=None,
+                extend_seq_lens=None)
+
+
+def token_table(arrays: dict, page_size: int, get, xp=jnp):
+    """The step's flat page table in token slots: ``cache_loc``, or the slots of the pages of
+    ``page_indices`` (``attention_arrays``). ``get`` reads an array (replicated int32 inside the
+    jit, int64 numpy on the host), ``xp`` is ``jnp`` or ``np``."""
+    if arrays.get("page_indices") is None:
+        return get(arrays["cache_loc"])
+    pages = get(arrays["page_indices"])
+    return (pages[:, None] * page_size + xp.arange(page_size, dtype=pages.dtype)).reshape(-1)
+
+
+def table_entries(arrays: dict, page_size: int) -> int:
+    """The length of ``token_table`` (static: from the arrays' shapes)."""
+    if arrays.get("page_indices") is None:
+        return int(arrays["cache_loc"].shape[0])
+    return int(arrays["page_indices"].shape[0]) * page_size
+
+
+def batch_lengths(arrays: dict, *, decode: bool, get, xp=jnp):
+    """``(live, seq, prefix, extend)`` of a step's batch rows (``get`` and ``xp`` as in
+    ``token_table``): row ``r`` is live when ``req_pool_indices[r] >= 0`` and ``seq_lens[r] > 0``;
+    DECODE rows have a prefix of ``seq_len - 1`` and one new token, EXTEND rows their extend
+    lengths, a speculative step's rows their new tokens from ``cu_q_lens``."""
+    seq_lens = get(arrays["seq_lens"])
+    live = (get(arrays["req_pool_indices"]) >= 0) & (seq_lens > 0)
+    seq = xp.where(live, seq_lens, 0)
+    if decode:
+        extend = live.astype(seq.dtype)
+        prefix = xp.where(live, seq - 1, 0)
+    elif arrays.get("cu_q_lens") is not None:
+        cu = get(arrays["cu_q_lens"])
+        extend = xp.where(live, cu[1:] - cu[:-1], 0)
+        prefix = xp.where(live, seq - extend, 0)
+    elif arrays["extend_seq_lens"] is not None and arrays["extend_prefix_lens"] is not None:
+        prefix = xp.where(live, get(arrays["extend_prefix_lens"]), 0)
+        extend = xp.where(live, get(arrays["extend_seq_lens"]), 0)
+    else:
+        raise ValueError("kv-canary: an EXTEND step without extend lengths is not supported by the "
+                         "sglang-jax integration")
+    return live, seq, prefix, extend
 
 
 def page_table_batch(arrays: dict, *, decode: bool, page_size: int, aligned: bool,
                      mesh) -> CanaryBatch:
-    """The ``CanaryBatch`` of a step (inside the jit), read from its own page table ``cache_loc``.
+    """The ``CanaryBatch`` of a step (inside the jit), read from its own page table.
 
     Args:
       arrays: ``step_arrays(forward_batch)``.
-      decode: the step is a DECODE step (else EXTEND).
-      page_size, aligned: how attention reads ``cache_loc`` (``segment_starts``).
+      decode: the step is a DECODE step (else EXTEND, or a speculative step with ``cu_q_lens``).
+      page_size, aligned: how attention reads the page table (``segment_starts``).
       mesh: the engine's mesh (its batch arrays are sharded over ``data``; the plan reads them
         replicated); None inside ``shard_map`` (the arrays are passed in replicated).
 
-    Batch row ``r`` is live when ``req_pool_indices[r] >= 0`` (padding rows have -1 and
-    ``seq_len`` 0); EXTEND rows take ``extend_prefix_lens`` / ``extend_seq_lens``, DECODE rows a
-    prefix of ``seq_len - 1`` and one token. Padded tokens (id 0, position 0, ``out_cache_loc``
-    -1) are skipped by the write."""
+    Rows as ``batch_lengths`` reads them (padding rows have ``req_pool_indices`` -1 and
+    ``seq_len`` 0). Padded tokens (id 0, position 0, ``out_cache_loc`` -1) are skipped by the
+    write."""
     get = replicated(mesh)
-    seq_lens = get(arrays["seq_lens"])
-    live = (get(arrays["req_pool_indices"]) >= 0) & (seq_lens > 0)
-    seq = jnp.where(live, seq_lens, 0)
-    if decode:
-        prefix = jnp.where(live, seq - 1, 0)
-        extend = live.astype(jnp.int32)
-    elif arrays["extend_seq_lens"] is not None and arrays["extend_prefix_lens"] is not None:
-        prefix = jnp.where(live, get(arrays["extend_prefix_lens"]), 0)
-        extend = jnp.where(live, get(arrays["extend_seq_lens"]), 0)
-    else:
-        raise ValueError("kv-canary: an EXTEND step without extend lengths is not supported by the "
-                         "sglang-jax integration")
-    return CanaryBatch(live.astype(jnp.int32), prefix, extend, get(arrays["cache_loc"]),
-                       get(arrays["input_ids"]), get(arrays["positions"]),
-                       get(arrays["out_cache_loc"]),
-                       req_to_token_row_starts=segment_starts(seq, page_size, aligned))
+    live, seq, prefix, extend = batch_lengths(arrays, decode=decode, get=get)
+    table, starts = token_table(arrays, page_size, get), segment_starts(seq, page_size, aligned)
+    return CanaryBatch(live.astype(jnp.int32), prefix, extend, table, get(arrays["input_ids"]),
+                       get(arrays["positions"]), written_slots(arrays, table, starts, prefix, get),
+                       req_to_token_row_starts=starts)
+
+
+def written_slots(arrays: dict, table, starts, prefix, get, xp=jnp):
+    """The slot each of the step's new tokens (``input_ids``) is written to: ``out_cache_loc``, or
+    in a speculative step (``cu_q_lens``) the slot the page table holds at the token's KV
+    position, where the ``fa`` kernel writes it (the verify's ``out_cache_loc`` lists the slots
+    allocated this round, not where its tokens go); -1 past the last row's tokens."""
+    if arrays.get("cu_q_lens") is None:
+        return get(arrays["out_cache_loc"])
+    cu = get(arrays["cu_q_lens"])
+    i = xp.arange(arrays["input_ids"].shape[0], dtype=cu.dtype)
+    row = xp.clip(xp.searchsorted(cu[1:], i, side="right"), 0, prefix.shape[0] - 1)
+    at = xp.clip(starts[row] + prefix[row] + i - cu[row], 0, table.shape[0] - 1)
+    return xp.where(i < cu[-1], table[at], -1)
 
 
 # -- the two runner layouts ---------------------------------------------------------------------------

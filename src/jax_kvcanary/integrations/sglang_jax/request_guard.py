@@ -40,7 +40,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from ...consts import FailReason, IndexKind, LaunchTag
-from .layout import segment_starts
+from .layout import batch_lengths, segment_starts, token_table, written_slots
 
 #: how many named slots one abort message lists
 MESSAGE_SLOTS = 4
@@ -139,13 +139,14 @@ def named_batch_rows(rows: np.ndarray, arrays: dict, *, decode: bool, page_size:
       swa_window: with a hybrid SWA pool (``arrays["swa_lut"]``), the window the SWA group
         verifies: its rows name SWA slots read in the last ``swa_window`` positions.
     """
-    get = lambda k: None if arrays.get(k) is None else np.asarray(arrays[k]).astype(np.int64)
-    rp, seq, loc, lut = get("req_pool_indices"), get("seq_lens"), get("cache_loc"), get("swa_lut")
-    live = (rp >= 0) & (seq > 0)
-    seq = np.where(live, seq, 0)
+    host = lambda a: np.asarray(a).astype(np.int64)
+    get = lambda k: None if arrays.get(k) is None else host(arrays[k])
+    rp, lut = get("req_pool_indices"), get("swa_lut")
+    live, seq, prefix, ext = batch_lengths(arrays, decode=decode, get=host, xp=np)
+    loc = token_table(arrays, page_size, host, np)
     starts = np.asarray(segment_starts(seq, page_size, aligned)).astype(np.int64)
-    ext = live.astype(np.int64) if decode else np.where(live, get("extend_seq_lens"), 0)
-    out, pos = get("out_cache_loc"), get("positions")
+    out = written_slots(arrays, loc, starts, prefix, host, np)
+    pos = get("positions")
     entry_row = np.repeat(np.arange(rp.shape[0]), ext)[:out.shape[0]]
     out, pos = out[:entry_row.shape[0]], pos[:entry_row.shape[0]]
     group_slots = {False: (out, loc)}                # per group: written slots, page table

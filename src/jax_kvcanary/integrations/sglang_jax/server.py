@@ -26,7 +26,7 @@ from typing import List, Optional
 
 from ...runtime.config import CanaryConfig
 from ...runtime.errors import CanaryHealthError, CanaryViolationError
-from . import pools
+from . import pools, speculative
 from .canary import LOGGER, install_into_scheduler
 from .hicache import install_host_records
 from .pd import install_transfer_records
@@ -61,9 +61,8 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
     if int(a.dp_size) != 1:
         refuse(f"--dp-size {a.dp_size}", "the page table is split per data-parallel rank",
                f"run with --dp-size 1, {off}")
-    if a.speculative_algorithm:
-        refuse(f"--speculative-algorithm {a.speculative_algorithm}",
-               "draft and verify steps are not wrapped", f"drop it, {off}")
+    for setting, why, fix in speculative.refusals(a, config, inject):
+        refuse(setting, why, f"{fix}, {off}")
     if a.enable_lora:
         refuse("--enable-lora", "LoRA batches change the model call the canary wraps",
                f"drop it, {off}")
@@ -227,6 +226,9 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
             install_request_guard(scheduler, canary, logger, abort=guard.abort)
     except (TypeError, ValueError) as e:
         raise _unguarded(logger, str(e)) from e
+    spec = speculative.is_speculative(scheduler.server_args)
+    if spec:
+        speculative.guard_spec_worker(scheduler, canary)
     canary.idle.on_error = functools.partial(end_server, scheduler, logger)
     try:
         canary.precompile(functools.partial(engine_precompile, scheduler) if precompile else None)
@@ -254,6 +256,8 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
                          f", tensor parallel over {canary.tp} devices" if canary.tp > 1 else "",
                          ", write-input assert" if config.write_input_assert else "",
                          ", token check" if config.token_check else "",
+                         f", {scheduler.server_args.speculative_algorithm} target model"
+                         if spec else "",
                          ", HiCache host records" if host is not None else "",
                          f", PD {transfer.role} records" if transfer is not None else "",
                          ", metrics on /metrics" if metrics is not None else ""]),
@@ -261,6 +265,8 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
                  + (" on the SWA group" if inject.on_swa else "")) if inject else "")
     if canary.layout.recurrent:
         logger.warning(pools.RECURRENT_NOTICE)
+    if spec:
+        logger.warning(speculative.DRAFT_NOTICE)
     return canary
 
 

@@ -1,0 +1,135 @@
+"""Speculative decoding (EAGLE, EAGLE3) in sglang-jax's server: what is guarded, what is refused,
+and the health check that no speculative batch runs a model call the canary did not see.
+
+sglang-jax's non-fused EAGLE path (``BaseSpecWorker.forward_batch_speculative_generation``) calls
+the target model through its runner's ``jitted_run_model``, the call the canary wraps, in two
+forward modes: EXTEND (the prefill, an ordinary extend) and TARGET_VERIFY (the verified token and
+the draft tokens of each request, written at KV positions ``[seq_len - q_len, seq_len)`` of the
+attention metadata: ``layout.attention_arrays``). Every slot a verify reads is verified after its
+new records are stamped; a rejected draft token's slot is freed and stamped again by the step
+that reuses it, so it is never reported. The draft model's own pool is not checked (``
+DRAFT_NOTICE``): its KV steers which tokens are proposed, and the target's verify decides every
+token served.
+
+The fused paths (EAGLE3's fused verify with its recurrent draft, the overlap scheduler's
+speculative steps) call the model inside jits of their own: ``refusals`` refuses them before
+start, naming the switch that turns them off, and ``guard_spec_worker`` ends the server if a
+speculative batch still runs without a target model call the canary saw.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Mapping, Optional, Tuple
+
+from ...runtime.errors import CanaryHealthError
+
+#: the algorithms whose non-fused path the canary guards
+GUARDED_ALGORITHMS = ("EAGLE", "EAGLE3")
+#: inject kinds planted in a speculative server's target pool (``inject``), tested there
+SPEC_INJECT_KINDS = ("real_kv_used", "req_to_token_swap")
+#: the environment switch that keeps EAGLE3 off its fused verify and recurrent draft
+FUSED_EAGLE3_SWITCH = "SGL_JAX_DISABLE_FUSED_EAGLE3_RECURRENT_DRAFT"
+
+DRAFT_NOTICE = ("kv-canary: the draft model's KV pool is not checked: the canary guards the "
+                "target model's KV, whose verify decides every token served (a fault in the "
+                "draft's KV lowers the acceptance rate, not the answers)")
+
+
+def is_speculative(server_args) -> bool:
+    return bool(getattr(server_args, "speculative_algorithm", None))
+
+
+def fused_eagle3_verify(server_args, environ: Mapping[str, str]) -> bool:
+    """Whether sglang-jax would run EAGLE3's fused verify (``BaseSpecWorker``'s condition)."""
+    a = server_args
+    return (a.speculative_algorithm == "EAGLE3" and int(a.speculative_eagle_topk) == 1
+            and int(a.speculative_num_steps) > 1
+            and int(a.speculative_num_draft_tokens) == int(a.speculative_num_steps) + 1
+            and a.attention_backend == "fa" and environ.get(FUSED_EAGLE3_SWITCH) != "1")
+
+
+def refusals(server_args, config, inject=None,
+             environ: Optional[Mapping[str, str]] = None) -> List[Tuple[str, str, str]]:
+    """``(setting, why, fix)`` of each speculative-decoding setting the canary cannot cover
+    (empty without ``--speculative-algorithm``)."""
+    a = server_args
+    if not is_speculative(a):
+        return []
+    environ = os.environ if environ is None else environ
+    alg = a.speculative_algorithm
+    if alg not in GUARDED_ALGORITHMS:
+        return [(f"--speculative-algorithm {alg}", "the canary guards EAGLE and EAGLE3 only",
+                 "use EAGLE or EAGLE3")]
+    out = []
+    if int(a.speculative_eagle_topk) != 1:
+        out.append((f"--speculative-eagle-topk {a.speculative_eagle_topk}",
+                    "a tree of draft tokens (top-k > 1) is not guarded yet",
+                    "use --speculative-eagle-topk 1"))
+    if not a.disable_overlap_schedule:
+        out.append((f"--speculative-algorithm {alg} with the overlap scheduler",
+                    "its speculative steps run fused, the model called inside sglang-jax's own "
+                    "jits instead of the model call the canary wraps",
+                    "add --disable-overlap-schedule"))
+    elif fused_eagle3_verify(a, environ):
+        out.append((f"--speculative-algorithm {alg} with its fused verify",
+                    "EAGLE3's fused verify and recurrent draft call the model inside jits of "
+                    "their own", f"set {FUSED_EAGLE3_SWITCH}=1 in the server's environment"))
+    if a.attention_backend != "fa":
+        out.append((f"--speculative-algorithm {alg} with --attention-backend "
+                    f"{a.attention_backend}", "sglang-jax's EAGLE steps need the fa backend",
+                    "use --attention-backend fa"))
+    if int(a.tp_size) != 1:
+        out.append((f"--speculative-algorithm {alg} with --tp-size {a.tp_size}",
+                    "speculative decoding with tensor parallelism has not run here",
+                    "use --tp-size 1"))
+    if config.write_input_assert or config.token_check:
+        out.append((f"--kv-canary-write-input-assert / --kv-canary-token-check with "
+                    f"--speculative-algorithm {alg}", "a verify step's draft tokens are not the "
+                    "requests' intended tokens until accepted (not modelled yet)",
+                    "drop them"))
+    tiers = (getattr(a, "disaggregation_mode", "null") not in (None, "null"),
+             getattr(a, "hicache_storage", "disable") not in (None, "disable"))
+    if any(tiers):
+        out.append((f"--speculative-algorithm {alg} with HiCache or PD",
+                    "speculative decoding with a KV tier has not run here",
+                    "drop --hicache-storage / --disaggregation-mode"))
+    if inject is not None and inject.kind not in SPEC_INJECT_KINDS:
+        out.append((f"--kv-canary-inject {inject.kind} with --speculative-algorithm {alg}",
+                    "that fault has not been planted in a speculative server",
+                    f"use one of {', '.join(SPEC_INJECT_KINDS)}"))
+    return out
+
+
+def guard_spec_worker(scheduler, canary) -> None:
+    """Make every speculative batch prove that the canary saw its target model call: sglang-jax's
+    non-fused entry ``forward_batch_speculative_generation`` must run the canary's wrapped model
+    call at least once (the prefill or the verify), else ``CanaryHealthError`` (a fused path ran
+    the model out of the canary's sight); the overlap scheduler's fused entries raise it at once.
+    The scheduler's event loop ends the server with it."""
+    worker = scheduler.draft_worker
+    entry = worker.forward_batch_speculative_generation
+
+    def forward_batch_speculative_generation(model_worker_batch, *args, **kwargs):
+        before = canary.steps
+        out = entry(model_worker_batch, *args, **kwargs)
+        if canary.steps == before:
+            raise CanaryHealthError(
+                f"kv-canary: a speculative {model_worker_batch.forward_mode.name} batch ran "
+                "without a target model call the canary saw (a fused path of sglang-jax's "
+                "speculative decoding?); the server ends rather than serve unguarded")
+        return out
+
+    worker.forward_batch_speculative_generation = forward_batch_speculative_generation
+    for name in ("forward_batch_speculative_decode_overlap",
+                 "forward_batch_speculative_prefill_overlap"):
+        if callable(getattr(worker, name, None)):
+            setattr(worker, name, _unseen(name))
+
+
+def _unseen(name: str):
+    def refuse(*args, **kwargs):
+        raise CanaryHealthError(f"kv-canary: sglang-jax called {name}, a fused speculative path "
+                                "the canary does not see; the server ends rather than serve "
+                                "unguarded")
+    return refuse

@@ -1,0 +1,162 @@
+"""Speculative decoding's pieces without a server: the refusals before start, the health check that
+ends a server whose speculative batch ran a model call the canary did not see, and a verify step
+planned from the attention metadata the ``fa`` kernel reads (``layout.attention_arrays``)."""
+
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_kvcanary.runtime import CanaryConfig
+from jax_kvcanary.runtime.errors import CanaryHealthError
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("jax_kvcanary.integrations.sglang_jax")
+
+from jax_kvcanary.integrations.sglang_jax import layout, speculative  # noqa: E402
+from jax_kvcanary.integrations.sglang_jax.inject import InjectSpec  # noqa: E402
+from jax_kvcanary.integrations.sglang_jax.request_guard import named_batch_rows  # noqa: E402
+
+LOG = CanaryConfig(mode="log")
+NOT_FUSED = {speculative.FUSED_EAGLE3_SWITCH: "1"}
+
+
+def spec_args(**kw):
+    a = dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1, speculative_num_steps=3,
+             speculative_num_draft_tokens=4, disable_overlap_schedule=True, attention_backend="fa",
+             tp_size=1, disaggregation_mode="null", hicache_storage="disable")
+    a.update(kw)
+    return types.SimpleNamespace(**a)
+
+
+def settings(args, config=LOG, inject=None, environ=NOT_FUSED):
+    return [setting for setting, _, _ in speculative.refusals(args, config, inject, environ)]
+
+
+def test_eagle_and_eagle3_top_k_1_without_fused_paths_are_guarded():
+    assert settings(spec_args()) == [] and settings(spec_args(speculative_algorithm="EAGLE")) == []
+    assert settings(spec_args(speculative_algorithm=None)) == []
+    assert settings(spec_args(), inject=InjectSpec("real_kv_used")) == []
+
+
+@pytest.mark.parametrize("change, environ, setting, fix", [
+    (dict(speculative_algorithm="NEXTN"), NOT_FUSED, "--speculative-algorithm NEXTN",
+     "use EAGLE or EAGLE3"),
+    (dict(speculative_eagle_topk=4), NOT_FUSED, "--speculative-eagle-topk 4",
+     "use --speculative-eagle-topk 1"),
+    (dict(disable_overlap_schedule=False), NOT_FUSED,
+     "--speculative-algorithm EAGLE3 with the overlap scheduler", "add --disable-overlap-schedule"),
+    ({}, {}, "--speculative-algorithm EAGLE3 with its fused verify",
+     "set SGL_JAX_DISABLE_FUSED_EAGLE3_RECURRENT_DRAFT=1"),
+    (dict(attention_backend="native"), NOT_FUSED,
+     "--speculative-algorithm EAGLE3 with --attention-backend native", "use --attention-backend fa"),
+    (dict(tp_size=2), NOT_FUSED, "--speculative-algorithm EAGLE3 with --tp-size 2",
+     "use --tp-size 1"),
+    (dict(hicache_storage="none"), NOT_FUSED, "--speculative-algorithm EAGLE3 with HiCache or PD",
+     "drop --hicache-storage"),
+])
+def test_each_unguarded_speculative_setting_is_refused_with_its_fix(change, environ, setting, fix):
+    got = speculative.refusals(spec_args(**change), LOG, None, environ)
+    assert [s for s, _, _ in got] == [setting] and fix in got[0][2], got
+
+
+def test_the_fused_eagle3_verify_is_only_refused_where_sglang_jax_would_take_it():
+    # EAGLE runs no fused verify; nor does EAGLE3 with more draft tokens than steps + 1
+    assert settings(spec_args(speculative_algorithm="EAGLE"), environ={}) == []
+    assert settings(spec_args(speculative_num_draft_tokens=6), environ={}) == []
+
+
+def test_token_checks_and_untested_inject_kinds_are_refused_with_speculative_decoding():
+    tokens = CanaryConfig(mode="log", write_input_assert=True)
+    assert settings(spec_args(), config=tokens) == [
+        "--kv-canary-write-input-assert / --kv-canary-token-check with --speculative-algorithm "
+        "EAGLE3"]
+    assert settings(spec_args(), inject=InjectSpec("wrong_position")) == [
+        "--kv-canary-inject wrong_position with --speculative-algorithm EAGLE3"]
+
+
+class FakeSpecWorker:
+    """sglang-jax's spec worker as the health check sees it: ``calls`` model calls per batch."""
+
+    def __init__(self, canary, calls):
+        self.canary, self.calls = canary, calls
+
+    def forward_batch_speculative_generation(self, batch):
+        self.canary.steps += self.calls
+        return "result"
+
+    def forward_batch_speculative_decode_overlap(self, batch):
+        return "fused"
+
+
+def test_a_speculative_batch_without_a_model_call_the_canary_saw_ends_the_server():
+    batch = types.SimpleNamespace(forward_mode=types.SimpleNamespace(name="DECODE"))
+    for calls in (1, 0):
+        canary = types.SimpleNamespace(steps=0)
+        scheduler = types.SimpleNamespace(draft_worker=FakeSpecWorker(canary, calls))
+        speculative.guard_spec_worker(scheduler, canary)
+        worker = scheduler.draft_worker
+        if calls:
+            assert worker.forward_batch_speculative_generation(batch) == "result"
+        else:
+            with pytest.raises(CanaryHealthError, match="a speculative DECODE batch ran without a "
+                                                        "target model call the canary saw"):
+                worker.forward_batch_speculative_generation(batch)
+        with pytest.raises(CanaryHealthError, match="forward_batch_speculative_decode_overlap, a "
+                                                    "fused speculative path"):
+            worker.forward_batch_speculative_decode_overlap(batch)
+
+
+def verify_arrays(page_size):
+    """A TARGET_VERIFY step of two requests, 4 tokens each, as the fa metadata has it: request 0
+    has 5 committed tokens (KV length 9), request 1 has 2 (KV length 6); a padding row."""
+    if page_size == 1:
+        pages = np.array([11, 12, 13, 14, 15, 16, 17, 18, 19, 31, 32, 33, 34, 35, 36, 0, 0],
+                         np.int32)
+        slots0, slots1 = [11, 12, 13, 14, 15, 16, 17, 18, 19], [31, 32, 33, 34, 35, 36]
+    else:                                         # 4 slots per page: 9 -> 3 pages, 6 -> 2
+        pages = np.array([2, 5, 3, 7, 8, 0], np.int32)
+        slots0 = [8, 9, 10, 11, 20, 21, 22, 23, 12]
+        slots1 = [28, 29, 30, 31, 32, 33]
+    arrays = dict(req_pool_indices=np.array([4, 1, -1], np.int32),
+                  seq_lens=np.array([9, 6, 0], np.int32), cu_q_lens=np.array([0, 4, 8, 8], np.int32),
+                  page_indices=pages, cache_loc=None, extend_prefix_lens=None, extend_seq_lens=None,
+                  input_ids=np.arange(100, 112, dtype=np.int32),
+                  positions=np.array([5, 6, 7, 8, 2, 3, 4, 5, -1, 0, 1, 2], np.int32),
+                  # the slots allocated this round, not where the kernel writes the tokens
+                  out_cache_loc=np.array([19, -1, -1, -1, 36, -1, -1, -1] + [-1] * 8, np.int32))
+    return arrays, slots0, slots1
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_verify_step_is_planned_from_what_the_fa_kernel_reads_and_writes(page_size):
+    import jax
+
+    arrays, slots0, slots1 = verify_arrays(page_size)
+    mesh = jax.make_mesh((1,), ("data",))
+    b = layout.page_table_batch({k: None if v is None else jnp.asarray(v)
+                                 for k, v in arrays.items()},
+                                decode=False, page_size=page_size, aligned=True, mesh=mesh)
+    assert b.prefix_lens.tolist() == [5, 2, 0] and b.extend_seq_lens.tolist() == [4, 4, 0]
+    starts = b.req_to_token_row_starts.tolist()
+    table = np.asarray(b.req_to_token)
+    assert table[starts[0]:starts[0] + 9].tolist() == slots0
+    assert table[starts[1]:starts[1] + 6].tolist() == slots1
+    # each new token is written where the page table has its KV position
+    assert b.out_cache_loc.tolist() == slots0[5:] + slots1[2:] + [-1] * 4
+    assert layout.table_entries(arrays, page_size) == table.shape[0]
+
+
+def test_a_verify_s_rows_name_the_request_that_wrote_or_read_the_slot():
+    arrays, slots0, slots1 = verify_arrays(1)
+    # a write row (write_position) on request 1's new token at KV position 3, and a verify row
+    # (verify_position: the row holds the slot's stored position, 7) on request 0's prefix slot
+    # read at position 2 (docs/format.md §5: tag, slot, position, ..., fail bits in column 7)
+    from jax_kvcanary.consts import FailReason, LaunchTag
+    head = int(LaunchTag.HEAD_K_FULL)
+    rows = np.zeros((2, 8), np.int64)
+    rows[0, :3], rows[0, 7] = (head, slots1[3], 3), int(FailReason.WRITE_POSITION_MISMATCH)
+    rows[1, :3], rows[1, 7] = (head, slots0[2], 7), int(FailReason.VERIFY_POSITION_MISMATCH)
+    named = named_batch_rows(rows, arrays, decode=False, page_size=1, aligned=True)
+    assert named == {1: [0], 0: [1]}, named
