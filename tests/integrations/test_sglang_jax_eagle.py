@@ -23,6 +23,7 @@ pytestmark = pytest.mark.integration
 if installed_sglang_jax() != "main":
     pytest.skip("these tests need sglang-jax's main branch (BUILD.md)", allow_module_level=True)
 
+from tests.support import engine_patches  # noqa: E402
 from tests.support.tiny_eagle3 import write_tiny_eagle3_draft, write_tiny_llama_target  # noqa: E402
 
 
@@ -44,9 +45,9 @@ def models(tmp_path_factory):
     return target, write_tiny_eagle3_draft(str(base / "draft"), target)
 
 
-def server(models, tmp_path, *args, name, env=None):
-    return Server(["--model-path", models[0], *engine_args("fa"), "--page-size", "1", *args],
-                  str(tmp_path / f"{name}.log"), module=STAND_INS, env=env)
+def server(models, tmp_path, *args, name, env=None, page_size=1):
+    return Server(["--model-path", models[0], *engine_args("fa"), "--page-size", str(page_size),
+                   *args], str(tmp_path / f"{name}.log"), module=STAND_INS, env=env)
 
 
 def replies(srv, batches: int = BATCHES) -> list:
@@ -70,12 +71,16 @@ def plain(models, tmp_path_factory):
         return ids(replies(srv))
 
 
-def test_eagle3_guarded_serves_the_target_s_own_tokens_with_no_row(models, tmp_path, plain):
+@pytest.mark.parametrize("page_size", [1, pytest.param(4, marks=pytest.mark.slow)])
+def test_eagle3_guarded_serves_the_target_s_own_tokens_with_no_row(models, tmp_path, plain,
+                                                                   page_size):
     """EAGLE3 (top-k 1, 3 steps, 4 draft tokens) with the canary: the tokens of the target served
     alone over 22 requests (batched, prefix hits), no violation row; the server idles between
-    requests and passes sglang-jax's idle-time memory checks (the leak patch)."""
+    requests and passes sglang-jax's idle-time memory checks (at page size 1, with the leak
+    patch). Page size 4: the verify's page table is whole pages (``layout.token_table``)."""
     with server(models, tmp_path, "--kv-canary", "log", "--kv-canary-sweep-interval", "4",
-                *spec_args("EAGLE3", models[1]), name="eagle3", env=NOT_FUSED) as srv:
+                *spec_args("EAGLE3", models[1]), name="eagle3", env=NOT_FUSED,
+                page_size=page_size) as srv:
         got = ids(replies(srv))
         again = srv.generate(PROMPTS[0], 12)["output_ids"]       # after an idle moment
         log = srv.log()
@@ -105,11 +110,14 @@ def test_eagle3_fault_in_the_target_kv_is_reported_and_its_request_aborted(model
     assert later["meta_info"]["finish_reason"]["type"] == "length", later
 
 
+@pytest.mark.slow
 def test_eagle_batched_answers_that_differ_from_the_target_are_named(models, tmp_path, plain):
-    """EAGLE (not EAGLE3) in this sglang-jax serves batched requests wrong on the CPU: answers
-    that differ from the target served alone, the KV of batch rows >= 1 written at positions the
-    page table does not give them (seen here; EAGLE3's legacy path serves the same batches right).
-    The canary names every request whose answer differs (mode log)."""
+    """EAGLE (not EAGLE3) in this sglang-jax serves batched requests wrong: a verify step's page
+    table is cut at each request's KV length while the requests' pages are laid out by their
+    allocated length, so every batch row after the first reads (and the kernel writes) another
+    request's over-allocated slots (``engine_patches.verify_pages_per_request``). The canary
+    names every request whose answer differs from the target served alone (mode log). ``slow``:
+    CI runs the clean twin below."""
     with server(models, tmp_path, "--kv-canary", "log", *spec_args("EAGLE", models[1]),
                 name="eagle", env=NOT_FUSED) as srv:
         got = replies(srv, batches=2)
@@ -119,3 +127,16 @@ def test_eagle_batched_answers_that_differ_from_the_target_are_named(models, tmp
     named = set(re.findall(r"kv-canary: request rid=(\w+) read KV", log))
     assert wrong, "EAGLE served every batched request right: the engine bug is gone?"
     assert set(wrong) <= named, (wrong, named, log[-3000:])
+
+
+def test_eagle_with_the_verify_pages_fixed_serves_the_target_s_tokens_with_no_row(models, tmp_path,
+                                                                                plain):
+    """The clean twin: the same EAGLE server with the test-only fix of its verify page table
+    gives the target's own tokens over 22 requests and the canary stays silent."""
+    env = dict(NOT_FUSED, **{engine_patches.VERIFY_PAGES_SWITCH: "1"})
+    with server(models, tmp_path, "--kv-canary", "log", *spec_args("EAGLE", models[1]),
+                name="eagle-fixed", env=env) as srv:
+        got = ids(replies(srv))
+        log = srv.log()
+    assert got == plain, log[-3000:]
+    assert "kv_canary violation" not in log and "Traceback" not in log, log[-3000:]

@@ -118,7 +118,8 @@ def test_a_decode_step_that_consumes_another_request_s_token_is_a_write_token_vi
             a.update(extend_prefix_lens=np.array(prefix, np.int32),
                      extend_seq_lens=np.array(extend, np.int32))
         fb = types.SimpleNamespace(
-            bid=bid, forward_mode=types.SimpleNamespace(is_decode=lambda: decode),
+            bid=bid, forward_mode=types.SimpleNamespace(is_decode=lambda: decode,
+                                                        is_target_verify=lambda: False),
             **{k: None if v is None else jax.device_put(v, data) for k, v in a.items()})
         runner.jitted_run_model(fb, None)
         runner.jitted_sampler(0, None, None)
