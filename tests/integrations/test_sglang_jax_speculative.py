@@ -121,11 +121,12 @@ def verify_arrays(page_size):
         slots1 = [28, 29, 30, 31, 32, 33]
     arrays = dict(req_pool_indices=np.array([4, 1, -1], np.int32),
                   seq_lens=np.array([9, 6, 0], np.int32), cu_q_lens=np.array([0, 4, 8, 8], np.int32),
+                  cu_kv_lens=np.cumsum([0, 9, 6, 0] if page_size == 1 else [0, 12, 8, 0],
+                                       dtype=np.int32),
                   page_indices=pages, cache_loc=None, extend_prefix_lens=None, extend_seq_lens=None,
                   input_ids=np.arange(100, 112, dtype=np.int32),
                   positions=np.array([5, 6, 7, 8, 2, 3, 4, 5, -1, 0, 1, 2], np.int32),
-                  # the slots allocated this round, not where the kernel writes the tokens
-                  out_cache_loc=np.array([19, -1, -1, -1, 36, -1, -1, -1] + [-1] * 8, np.int32))
+                  out_cache_loc=None)
     return arrays, slots0, slots1
 
 

@@ -15,14 +15,15 @@ position ``committed - 1`` belongs to nobody. The patch frees it after the stock
 ``verify_pages_per_request`` (installed by ``tests.support.launch_with_stand_ins`` when
 ``VERIFY_PAGES_SWITCH`` is ``1``, for the clean twin of a server that runs the bug): with
 ``--speculative-algorithm EAGLE`` a batch of two or more requests is served wrong (EAGLE3 without
-the overlap scheduler takes a legacy path of its own, which serves the same batches right). The decode batch's ``cache_loc`` lays
-each request's pages out by its allocated length (``allocate_lens``: the committed tokens plus the
-slots allocated ahead for draft tokens), and ``FlashAttention.get_eagle_forward_metadata`` cuts
-the TARGET_VERIFY page table at the requests' KV lengths (``seq_lens + draft_token_num``) without
-re-gathering it, which it does for DRAFT_EXTEND: batch row ``r >= 1`` reads the slots that start
-where row ``r - 1``'s KV length ends, the end of row ``r - 1``'s over-allocation, and the verify
-kernel writes its draft tokens' KV there. The patch re-gathers each request's pages from its
-allocated segment, as the DRAFT_EXTEND branch does.
+the overlap scheduler takes a legacy path of its own, which serves the same batches right). The
+decode batch's ``cache_loc`` lays each request's pages out by its allocated length
+(``allocate_lens``: the committed tokens plus the slots allocated ahead for draft tokens), and
+``FlashAttention.get_eagle_forward_metadata`` cuts the TARGET_VERIFY page table at the requests'
+KV lengths (``seq_lens + draft_token_num``) without re-gathering it, which it does for
+DRAFT_EXTEND: batch row ``r >= 1`` reads the slots that start where row ``r - 1``'s KV length
+ends, the end of row ``r - 1``'s over-allocation, and the verify kernel writes its draft tokens'
+KV there. The patch re-gathers each request's pages from its allocated segment, as the
+DRAFT_EXTEND branch does.
 """
 
 from __future__ import annotations

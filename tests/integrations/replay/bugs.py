@@ -11,7 +11,6 @@ from tests.support.sglang_server import LAUNCHER, STAND_INS, TINY_ENGINE_ARGS
 
 from .runner import Workload
 
-#: the launcher with the CPU stand-ins of sglang-jax's TPU-only kernels (HiCache loads need one)
 #: prompts one at a time on a 512-slot pool: A is backed up to the host when hit, evicted by the
 #: long B, recomputed when the device has no room to load it back (reviving its tombstone), then
 #: hit again after other requests took slots

@@ -194,11 +194,14 @@ def attention_arrays(metadata) -> dict:
     """A step's lengths and page table as sglang-jax's ``fa`` attention backend reads them
     (``FlashAttentionMetadata``): ``seq_lens`` the KV length of each batch row (its new tokens
     included), ``cu_q_lens`` the cumulative new tokens (a row's new tokens lie at KV positions
-    ``[seq_len - q_len, seq_len)``), ``page_indices`` the pages of each row from the page-aligned
-    start ``cu_kv_lens[r]`` (``token_table``); ``cache_loc`` and the extend lengths None."""
+    ``[seq_len - q_len, seq_len)``), ``page_indices`` the pages, each row's from its page-aligned
+    start ``cu_kv_lens[r]`` (``token_table``, ``row_starts``); ``cache_loc``, the extend lengths
+    and ``out_cache_loc`` (the slots allocated that round, not where the kernel writes: see
+    ``written_slots``) None."""
     return dict(seq_lens=metadata.seq_lens, cu_q_lens=metadata.cu_q_lens,
-                page_indices=metadata.page_indices, cache_loc=None, extend_prefix_lens=None,
-                extend_seq_lens=None)
+                cu_kv_lens=metadata.cu_kv_lens, page_indices=metadata.page_indices,
+                cache_loc=None, extend_prefix_lens=None, extend_seq_lens=None,
+                out_cache_loc=None)
 
 
 def token_table(arrays: dict, page_size: int, get, xp=jnp):
@@ -209,6 +212,14 @@ def token_table(arrays: dict, page_size: int, get, xp=jnp):
         return get(arrays["cache_loc"])
     pages = get(arrays["page_indices"])
     return (pages[:, None] * page_size + xp.arange(page_size, dtype=pages.dtype)).reshape(-1)
+
+
+def row_starts(arrays: dict, seq, page_size: int, aligned: bool, get):
+    """Where each batch row's segment of ``token_table`` starts: the attention metadata's own
+    ``cu_kv_lens`` (``attention_arrays``), else ``segment_starts``."""
+    if arrays.get("cu_kv_lens") is not None:
+        return get(arrays["cu_kv_lens"])[:-1]
+    return segment_starts(seq, page_size, aligned)
 
 
 def table_entries(arrays: dict, page_size: int) -> int:
@@ -258,7 +269,8 @@ def page_table_batch(arrays: dict, *, decode: bool, page_size: int, aligned: boo
     write."""
     get = replicated(mesh)
     live, seq, prefix, extend = batch_lengths(arrays, decode=decode, get=get)
-    table, starts = token_table(arrays, page_size, get), segment_starts(seq, page_size, aligned)
+    table, starts = token_table(arrays, page_size, get), row_starts(arrays, seq, page_size, aligned,
+                                                                      get)
     return CanaryBatch(live.astype(jnp.int32), prefix, extend, table, get(arrays["input_ids"]),
                        get(arrays["positions"]), written_slots(arrays, table, starts, prefix, get),
                        req_to_token_row_starts=starts)
@@ -267,8 +279,7 @@ def page_table_batch(arrays: dict, *, decode: bool, page_size: int, aligned: boo
 def written_slots(arrays: dict, table, starts, prefix, get, xp=jnp):
     """The slot each of the step's new tokens (``input_ids``) is written to: ``out_cache_loc``, or
     in a speculative step (``cu_q_lens``) the slot the page table holds at the token's KV
-    position, where the ``fa`` kernel writes it (the verify's ``out_cache_loc`` lists the slots
-    allocated this round, not where its tokens go); -1 past the last row's tokens."""
+    position, where the ``fa`` kernel writes it; -1 past the last row's tokens."""
     if arrays.get("cu_q_lens") is None:
         return get(arrays["out_cache_loc"])
     cu = get(arrays["cu_q_lens"])

@@ -40,7 +40,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from ...consts import FailReason, IndexKind, LaunchTag
-from .layout import batch_lengths, segment_starts, token_table, written_slots
+from .layout import batch_lengths, row_starts, token_table, written_slots
 
 #: how many named slots one abort message lists
 MESSAGE_SLOTS = 4
@@ -144,7 +144,7 @@ def named_batch_rows(rows: np.ndarray, arrays: dict, *, decode: bool, page_size:
     rp, lut = get("req_pool_indices"), get("swa_lut")
     live, seq, prefix, ext = batch_lengths(arrays, decode=decode, get=host, xp=np)
     loc = token_table(arrays, page_size, host, np)
-    starts = np.asarray(segment_starts(seq, page_size, aligned)).astype(np.int64)
+    starts = np.asarray(row_starts(arrays, seq, page_size, aligned, host)).astype(np.int64)
     out = written_slots(arrays, loc, starts, prefix, host, np)
     pos = get("positions")
     entry_row = np.repeat(np.arange(rp.shape[0]), ext)[:out.shape[0]]
