@@ -1,5 +1,6 @@
 """Speculative decoding (EAGLE3, EAGLE) in sglang-jax's own HTTP server on the CPU, guarded: the
-target model's KV checked in its prefill and in every verify step (``speculative``).
+target model's KV checked in its prefill and in every verify step, the draft model's KV by a canary
+of its own in every draft step (``speculative``).
 
 The servers keep the ``fa`` backend with the CPU stand-ins (``tests/support/cpu_stand_ins.py``:
 its attention kernel, and speculative decoding's greedy verify kernel in Pallas' interpret mode)
@@ -74,17 +75,20 @@ def plain(models, tmp_path_factory):
 @pytest.mark.parametrize("page_size", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_eagle3_guarded_serves_the_target_s_own_tokens_with_no_row(models, tmp_path, plain,
                                                                    page_size):
-    """EAGLE3 (top-k 1, 3 steps, 4 draft tokens) with the canary: the tokens of the target served
-    alone over 22 requests (batched, prefix hits), no violation row; the server idles between
-    requests and passes sglang-jax's idle-time memory checks (at page size 1, with the leak
-    patch). Page size 4: the verify's page table is whole pages (``layout.token_table``)."""
+    """EAGLE3 (top-k 1, 3 steps, 4 draft tokens) with the canaries of both models: the tokens of
+    the target served alone over 22 requests (batched, prefix hits), no violation row of either;
+    the draft canary ran its steps and sweeps; the server idles between requests and passes
+    sglang-jax's idle-time memory checks (at page size 1, with the leak patch). Page size 4: the
+    page tables are whole pages (``layout.token_table``)."""
     with server(models, tmp_path, "--kv-canary", "log", "--kv-canary-sweep-interval", "4",
-                *spec_args("EAGLE3", models[1]), name="eagle3", env=NOT_FUSED,
-                page_size=page_size) as srv:
+                "--kv-canary-stats-interval", "60", *spec_args("EAGLE3", models[1]), name="eagle3",
+                env=NOT_FUSED, page_size=page_size) as srv:
         got = ids(replies(srv))
         again = srv.generate(PROMPTS[0], 12)["output_ids"]       # after an idle moment
         log = srv.log()
-    assert "EAGLE3 target model" in log and "draft model's KV pool is not checked" in log, log
+    assert "EAGLE3 target and draft models" in log, log[-3000:]
+    assert re.search(r"draft model: kv_canary stats: .*violations=0 HEAD_K_FULL=verified:[1-9]\d*,"
+                     r"written:[1-9].*SWEEP_K_FULL=verified:[1-9]", log), log[-3000:]
     assert "accept-len" in log and "memory leak detected" not in log, log[-3000:]
     assert got == plain and again == plain[0], log[-3000:]
     assert "kv_canary violation" not in log and "Traceback" not in log, log[-3000:]
@@ -110,6 +114,33 @@ def test_eagle3_fault_in_the_target_kv_is_reported_and_its_request_aborted(model
     assert later["meta_info"]["finish_reason"]["type"] == "length", later
 
 
+DRAFT_REPORT = re.compile(r"draft model: kv_canary violation: launch_tag=(\S+) "
+                          r"fail_reason=(\S+) slot_idx=(\d+)")
+
+
+def test_eagle3_fault_in_the_draft_kv_is_reported_by_the_draft_canary_and_served_on(
+        models, tmp_path, plain):
+    """A byte of the draft model's KV flipped before its 6th step (a slot of the shared prompt
+    prefix): the draft canary reports it at that step; the target's canary stays silent, and in
+    abort mode nothing is aborted: the target's verify decides every token, so the answers are
+    the target's own."""
+    with server(models, tmp_path, "--kv-canary", "abort", "--kv-canary-inject", "real_kv_used",
+                "--kv-canary-inject-group", "DRAFT", "--kv-canary-inject-step", "6",
+                *spec_args("EAGLE3", models[1]), name="draft-fault", env=NOT_FUSED) as srv:
+        got = [srv.generate(PROMPTS[0], 12), srv.generate(PREFIX_HIT, 8)]
+        injected = srv.injected()
+        log = srv.log()
+    assert injected is not None and "in the draft model's layer 0 KV" in log, log[-3000:]
+    slot = int(re.search(r"flipped byte 0 of slot (\d+)", log).group(1))
+    draft = DRAFT_REPORT.findall(log)
+    assert ("TAIL_K_FULL", "verify_real_kv_hash", str(slot)) in draft, log[-3000:]
+    pumped = [p for _, _, _, p in srv.reports()]
+    assert min(pumped) <= injected[1] + 1, (injected, pumped)
+    assert len(draft) == len(srv.reports()), "the target's canary reported a row"
+    assert ids(got) == plain[:2], log[-3000:]
+    assert [r["meta_info"]["finish_reason"]["type"] for r in got] == ["length"] * 2
+
+
 @pytest.mark.slow
 def test_eagle_batched_answers_that_differ_from_the_target_are_named(models, tmp_path, plain):
     """EAGLE (not EAGLE3) in this sglang-jax serves batched requests wrong: a verify step's page
@@ -122,7 +153,7 @@ def test_eagle_batched_answers_that_differ_from_the_target_are_named(models, tmp
                 name="eagle", env=NOT_FUSED) as srv:
         got = replies(srv, batches=2)
         log = srv.log()
-    assert "EAGLE target model" in log, log[-3000:]
+    assert "EAGLE target and draft models" in log, log[-3000:]
     wrong = [r["meta_info"]["id"] for r, want in zip(got, plain) if r["output_ids"] != want]
     named = set(re.findall(r"kv-canary: request rid=(\w+) read KV", log))
     assert wrong, "EAGLE served every batched request right: the engine bug is gone?"

@@ -1,6 +1,7 @@
 """Speculative decoding's pieces without a server: the refusals before start, the health check that
-ends a server whose speculative batch ran a model call the canary did not see, and a verify step
-planned from the attention metadata the ``fa`` kernel reads (``layout.attention_arrays``)."""
+ends a server whose speculative batch ran a model call a canary did not see, a verify step planned
+from the attention metadata the ``fa`` kernel reads (``layout.attention_arrays``), and the draft
+model's steps planned the same way with records at KV positions."""
 
 import types
 
@@ -90,6 +91,21 @@ class FakeSpecWorker:
         return "fused"
 
 
+def test_a_fault_aimed_at_the_draft_pool_needs_a_draft_model_and_a_kind_that_can_go_there():
+    from jax_kvcanary.integrations.sglang_jax.server import refusals
+
+    assert InjectSpec("real_kv_used", group="DRAFT").on_draft
+    with pytest.raises(ValueError, match="wrong_position cannot be aimed at the draft model's "
+                                         "pool .* use real_kv_used"):
+        InjectSpec("wrong_position", group="DRAFT")
+    plain = types.SimpleNamespace(**{**vars(spec_args(speculative_algorithm=None)), "dp_size": 1,
+                                     "enable_lora": False})
+    got = refusals(plain, LOG, InjectSpec("real_kv_used", group="DRAFT"))
+    assert [line for line in got if "DRAFT" in line] == [
+        "kv-canary: --kv-canary-inject-group DRAFT without --speculative-algorithm is not "
+        "supported: there is no draft model; add --speculative-algorithm EAGLE3 (or EAGLE)"], got
+
+
 def test_a_speculative_batch_without_a_model_call_the_canary_saw_ends_the_server():
     batch = types.SimpleNamespace(forward_mode=types.SimpleNamespace(name="DECODE"))
     for calls in (1, 0):
@@ -106,6 +122,16 @@ def test_a_speculative_batch_without_a_model_call_the_canary_saw_ends_the_server
         with pytest.raises(CanaryHealthError, match="forward_batch_speculative_decode_overlap, a "
                                                     "fused speculative path"):
             worker.forward_batch_speculative_decode_overlap(batch)
+
+
+def test_a_speculative_batch_without_a_draft_model_call_the_draft_canary_saw_ends_the_server():
+    batch = types.SimpleNamespace(forward_mode=types.SimpleNamespace(name="EXTEND"))
+    target, draft = types.SimpleNamespace(steps=0), types.SimpleNamespace(steps=0)
+    scheduler = types.SimpleNamespace(draft_worker=FakeSpecWorker(target, 1))
+    speculative.guard_spec_worker(scheduler, target, draft)
+    with pytest.raises(CanaryHealthError, match="a speculative EXTEND batch ran without a draft "
+                                                "model call the canary saw"):
+        scheduler.draft_worker.forward_batch_speculative_generation(batch)
 
 
 def verify_arrays(page_size):
@@ -161,3 +187,29 @@ def test_a_verify_s_rows_name_the_request_that_wrote_or_read_the_slot():
     rows[1, :3], rows[1, 7] = (head, slots0[2], 7), int(FailReason.VERIFY_POSITION_MISMATCH)
     named = named_batch_rows(rows, arrays, decode=False, page_size=1, aligned=True)
     assert named == {1: [0], 0: [1]}, named
+
+
+def test_a_draft_step_records_each_token_at_the_kv_position_it_is_written_to():
+    """A draft model's DECODE step as sglang-jax runs it: its batch arrays are placeholders, the fa
+    metadata has one new token per row (padding rows too), and the draft's input positions are
+    one past the KV position the kernel writes (KV position 9 of request 0 gets position 10)."""
+    import jax
+
+    pages = np.array([11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 31, 32, 33, 34, 0, 0], np.int32)
+    arrays = dict(req_pool_indices=np.array([4, 1, -1, -1], np.int32),
+                  seq_lens=np.array([10, 4, 0, 0], np.int32),
+                  cu_q_lens=np.array([0, 1, 2, 3, 4], np.int32),
+                  cu_kv_lens=np.array([0, 10, 14, 14, 14], np.int32), page_indices=pages,
+                  cache_loc=None, extend_prefix_lens=None, extend_seq_lens=None,
+                  input_ids=np.array([7, 8, 0, 0], np.int32),
+                  positions=np.array([10, 4, 1, 1], np.int32), out_cache_loc=None)
+    mesh = jax.make_mesh((1,), ("data",))
+    dev = {k: None if v is None else jnp.asarray(v) for k, v in arrays.items()}
+    b = layout.page_table_batch(dev, decode=False, page_size=1, aligned=True, mesh=mesh,
+                                kv_positions=True)
+    assert b.prefix_lens.tolist() == [9, 3, 0, 0] and b.extend_seq_lens.tolist() == [1, 1, 0, 0]
+    # the padding rows' tokens are written nowhere; the live ones at their rows' last KV position
+    assert b.out_cache_loc.tolist() == [20, 34, -1, -1]
+    assert b.positions.tolist()[:2] == [9, 3]
+    target = layout.page_table_batch(dev, decode=False, page_size=1, aligned=True, mesh=mesh)
+    assert target.positions.tolist() == [10, 4, 1, 1]          # the input positions otherwise

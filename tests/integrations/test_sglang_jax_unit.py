@@ -224,7 +224,7 @@ def test_a_fault_aimed_at_the_swa_group_is_checked_where_it_is_named():
     assert InjectSpec("real_kv_used", group="SWA").on_swa
     assert InjectSpec("swa_map_stale").on_swa and not InjectSpec("real_kv_used").on_swa
     with pytest.raises(ValueError, match="^kv-canary: --kv-canary-inject-group must be one of "
-                                         "FULL, SWA, got 'swa'"):
+                                         "FULL, SWA, DRAFT, got 'swa'"):
         InjectSpec("real_kv_used", group="swa")
     with pytest.raises(ValueError, match="real_kv_unused_cache cannot be aimed at the SWA group "
                                          r"\(--kv-canary-inject-group SWA\): the SWA group is not "

@@ -244,6 +244,8 @@ class SglangJaxCanary:
       episodes: report one episode per fault (``runtime.EpisodeLog``) instead of every row.
       metrics: ``PrometheusCounters`` to keep up to date (None: no metrics).
       protected_tokens: returns the KV slots in use, for the stats line and the metrics.
+      draft: the runner is an EAGLE draft model's (``speculative.install_draft_canary``): every
+        step is planned from its attention metadata, and records hold KV positions.
 
     Attributes: ``config``, ``tp`` (devices of the ``tensor`` axis), ``state`` (the
     ``CanaryState``, donated by every step; ``[tp, ...]`` blocks when ``tp > 1``), ``monitor``
@@ -257,7 +259,7 @@ class SglangJaxCanary:
     def __init__(self, runner, config: CanaryConfig, *, tree_cache=None,
                  logger: Optional[logging.Logger] = None, episodes: bool = False,
                  metrics: Optional[PrometheusCounters] = None,
-                 protected_tokens: Optional[Callable[[], int]] = None):
+                 protected_tokens: Optional[Callable[[], int]] = None, draft: bool = False):
         if not isinstance(config, CanaryConfig):
             raise TypeError(f"kv-canary: config must be a CanaryConfig, got {type(config).__name__}")
         if not config.enabled:
@@ -279,6 +281,7 @@ class SglangJaxCanary:
             config = dataclasses.replace(config, groups=self.layout.groups,
                                          swa_window_size=self.layout.swa_window)
         self.runner = runner
+        self.draft = bool(draft)          # an EAGLE draft model's runner (``speculative``)
         self.tokens = intended_tokens(runner, self.layout, config)
         self.config = config
         self.tree_cache = tree_cache
@@ -429,7 +432,7 @@ class SglangJaxCanary:
         def check(cstate, arrays, kvs, decode, mesh=mesh):
             ep = self._endpoints(arrays["seq_lens"].shape[0], table_entries(arrays, page_size))
             batch = page_table_batch(arrays, decode=decode, page_size=page_size, aligned=aligned,
-                                     mesh=mesh)
+                                     mesh=mesh, kv_positions=self.draft)
             if "swa_lut" in arrays:
                 batch = batch._replace(full_to_swa_index_mapping=arrays["swa_lut"])
             if "token_pool" in arrays:
@@ -570,14 +573,14 @@ class SglangJaxCanary:
         with self._monitor_lock:
             try:
                 self._run_pending_sweep({"FULL": kvs["FULL"]})
-                arrays = step_arrays(forward_batch)
+                arrays = step_arrays(forward_batch, from_attention=self.draft)
                 if swa_lut is not None:
                     arrays["swa_lut"] = swa_lut
                 if self.tokens is not None:
                     self.tokens.before_step(getattr(forward_batch, "bid", None))
                     arrays["token_pool"] = self.tokens.pool
                     self._step_rows = (forward_batch.req_pool_indices, forward_batch.seq_lens)
-                decode = bool(forward_batch.forward_mode.is_decode())
+                decode = not self.draft and bool(forward_batch.forward_mode.is_decode())
                 self.state, snapshot, _ = self._check_fn(self.state, arrays, kvs, decode=decode)
                 if self.warming:
                     return outputs
@@ -734,7 +737,8 @@ class SglangJaxCanary:
 def install(model_runner, config: CanaryConfig, *, tree_cache=None,
             logger: Optional[logging.Logger] = None, episodes: bool = False,
             metrics: Optional[PrometheusCounters] = None,
-            protected_tokens: Optional[Callable[[], int]] = None) -> Optional[SglangJaxCanary]:
+            protected_tokens: Optional[Callable[[], int]] = None,
+            draft: bool = False) -> Optional[SglangJaxCanary]:
     """Install the canary into a running sglang-jax ``ModelRunner`` (see the module docstring).
 
     Args:
@@ -746,6 +750,7 @@ def install(model_runner, config: CanaryConfig, *, tree_cache=None,
         instead of one per row.
       metrics: ``PrometheusCounters`` to keep up to date (None: no metrics).
       protected_tokens: returns the KV slots in use, for the stats line and the metrics.
+      draft: ``model_runner`` is an EAGLE draft model's (``SglangJaxCanary``).
 
     Returns:
       The installed ``SglangJaxCanary`` (``uninstall()`` restores the runner), or None for mode
@@ -760,7 +765,7 @@ def install(model_runner, config: CanaryConfig, *, tree_cache=None,
         return None
     return SglangJaxCanary(model_runner, config, tree_cache=tree_cache, logger=logger,
                            episodes=episodes, metrics=metrics,
-                           protected_tokens=protected_tokens).install()
+                           protected_tokens=protected_tokens, draft=draft).install()
 
 
 def install_into_scheduler(scheduler, config: CanaryConfig, **kw) -> Optional[SglangJaxCanary]:

@@ -72,6 +72,11 @@ own structures once, at the first batch from the ``N``-th on that has a target, 
   other position's sliding-window KV; ``verify_position`` + ``verify_chain_hash`` at HEAD and TAIL
   of the SWA group. Put back at the next step too.
 
+``--kv-canary-inject-group DRAFT`` (EAGLE / EAGLE3) aims ``real_kv_used`` at the draft model's
+pool: byte 0 of the draft's layer-0 KV of batch row 0's position 0 flipped before a draft step
+(step = the draft canary's step count): ``verify_real_kv_hash`` at ``TAIL_K_FULL`` in the draft
+canary's report (``draft model:``), the target's KV intact.
+
 ``--kv-canary-inject-group SWA`` (a hybrid SWA pool) aims the existing kinds at the SWA group:
 ``real_kv_used`` flips byte 0 of the SWA slot of batch row 0's last prefix position in the first
 sliding layer's KV (``verify_real_kv_hash`` at ``TAIL_K_SWA``; the FULL group intact);
@@ -116,16 +121,20 @@ SWA_KINDS = ("swa_evicted_in_window", "swa_map_stale")
 KINDS = SCHEDULER_KINDS + FORWARD_KINDS + HICACHE_KINDS + PD_KINDS + SWA_KINDS
 #: kinds found by the write-input assert only
 TOKEN_KINDS = ("future_token_ring_wrap",)
-#: groups a fault can be aimed at (``--kv-canary-inject-group``)
-GROUPS = ("FULL", "SWA")
+#: groups a fault can be aimed at (``--kv-canary-inject-group``): DRAFT is an EAGLE draft
+#: model's pool (``speculative``)
+GROUPS = ("FULL", "SWA", "DRAFT")
 #: kinds that cannot be aimed at the SWA group
 NOT_ON_SWA = ("real_kv_unused_cache",) + HICACHE_KINDS + PD_KINDS
+#: kinds that can be aimed at an EAGLE draft model's pool
+ON_DRAFT = ("real_kv_used",)
 
 
 @dataclasses.dataclass(frozen=True)
 class InjectSpec:
     """One fault: its ``kind`` (one of ``KINDS``), the first ``step`` (>= 1) it may go in at, and
-    the ``group`` it is aimed at (``FULL``, or ``SWA`` with a hybrid SWA pool)."""
+    the ``group`` it is aimed at (``FULL``, ``SWA`` with a hybrid SWA pool, ``DRAFT`` the draft
+    model's pool with EAGLE)."""
 
     kind: str
     step: int = 8
@@ -145,11 +154,20 @@ class InjectSpec:
                              "SWA group (--kv-canary-inject-group SWA): "
                              + ("the SWA group is not swept" if self.kind == "real_kv_unused_cache"
                                 else "HiCache and PD are refused with a hybrid SWA pool"))
+        if self.group == "DRAFT" and self.kind not in ON_DRAFT:
+            raise ValueError(f"kv-canary: --kv-canary-inject {self.kind} cannot be aimed at the "
+                             f"draft model's pool (--kv-canary-inject-group DRAFT): use "
+                             f"{', '.join(ON_DRAFT)}")
 
     @property
     def on_swa(self) -> bool:
         """Whether the fault is aimed at the SWA group (the ``swa_*`` kinds always are)."""
         return self.group == "SWA" or self.kind in SWA_KINDS
+
+    @property
+    def on_draft(self) -> bool:
+        """Whether the fault is aimed at an EAGLE draft model's pool."""
+        return self.group == "DRAFT"
 
 
 def add_inject_args(parser) -> None:
@@ -160,8 +178,8 @@ def add_inject_args(parser) -> None:
     g.add_argument("--kv-canary-inject-step", type=int, default=8, metavar="N",
                    help="at the first batch from the N-th on that has a target (default 8)")
     g.add_argument("--kv-canary-inject-group", choices=GROUPS, default="FULL",
-                   help="the group the fault is aimed at: FULL (default) or SWA (a hybrid SWA "
-                        "pool's sliding layers)")
+                   help="the group the fault is aimed at: FULL (default), SWA (a hybrid SWA "
+                        "pool's sliding layers) or DRAFT (the EAGLE draft model's pool)")
 
 
 def spec_from_args(ns) -> Optional[InjectSpec]:
@@ -320,9 +338,10 @@ class FaultInjector:
             return
         fb = forward_batch
         host = lambda a: np.asarray(a).astype(np.int64)
-        arrays = step_arrays(fb)                  # a verify's as its attention metadata has them
-        _, seq, prefixes, _ = batch_lengths(arrays, decode=bool(fb.forward_mode.is_decode()),
-                                            get=host, xp=np)
+        draft = self.canary.draft                 # an EAGLE draft model's canary
+        arrays = step_arrays(fb, from_attention=draft)   # as the canary plans the step
+        _, seq, prefixes, _ = batch_lengths(
+            arrays, decode=not draft and bool(fb.forward_mode.is_decode()), get=host, xp=np)
         if seq.shape[0] == 0 or seq[0] < 3:
             return                                        # batch row 0 has no prefix to damage
         prefix = int(prefixes[0])
@@ -340,7 +359,8 @@ class FaultInjector:
             _flip_byte(layout, slot, "SWA" if swa else "FULL")
             self._log(step, f"flipped byte 0 of {'SWA ' if swa else ''}slot {slot} (position "
                             f"{pos} of batch row 0) in "
-                            + ("the first sliding layer's KV" if swa else "layer 0's KV"))
+                            + ("the first sliding layer's KV" if swa else
+                               "the draft model's layer 0 KV" if draft else "layer 0's KV"))
         elif self.spec.kind == "wrong_position":
             pos = np.array(fb.positions)
             pos[0] += 1

@@ -2,7 +2,7 @@
 
     python -m jax_kvcanary.integrations.sglang_jax.launch_server --kv-canary log|abort|raise \\
         [--kv-canary-real-data none|partial|all] [--kv-canary-sweep-interval N] \\
-        [--kv-canary-inject KIND --kv-canary-inject-step N [--kv-canary-inject-group SWA]] \\
+        [--kv-canary-inject KIND --kv-canary-inject-step N [--kv-canary-inject-group SWA|DRAFT]] \\
         <sgl_jax.launch_server arguments>
 
 (also installed as ``jax-kvcanary-sglang-jax``). Every argument that is not a ``--kv-canary*``

@@ -175,17 +175,19 @@ def replicated(mesh):
     return lambda x: reshard(x.astype(jnp.int32), spec)
 
 
-def step_arrays(forward_batch) -> dict:
+def step_arrays(forward_batch, from_attention: bool = False) -> dict:
     """The arrays of an sglang-jax ``ForwardBatch`` the canary reads (on the device): the page
     table ``cache_loc``, the lengths, and the step's tokens (extend lengths are None in DECODE).
 
-    A speculative-decoding step (``TARGET_VERIFY``) is read from the attention metadata its
-    kernel reads (``attention_arrays``) instead of the batch's own lengths and page table."""
+    A speculative-decoding step (``TARGET_VERIFY``), and with ``from_attention`` every step (an
+    EAGLE draft model's, whose batch arrays are placeholders: ``speculative``), is read from the
+    attention metadata its kernel reads (``attention_arrays``) instead of the batch's own lengths
+    and page table."""
     fb = forward_batch
     arrays = {k: getattr(fb, k) for k in ("req_pool_indices", "seq_lens", "extend_prefix_lens",
                                            "extend_seq_lens", "cache_loc", "input_ids",
                                            "positions", "out_cache_loc")}
-    if fb.forward_mode.is_target_verify():
+    if from_attention or fb.forward_mode.is_target_verify():
         arrays.update(attention_arrays(fb.attn_backend.forward_metadata))
     return arrays
 
@@ -254,7 +256,7 @@ def batch_lengths(arrays: dict, *, decode: bool, get, xp=jnp):
 
 
 def page_table_batch(arrays: dict, *, decode: bool, page_size: int, aligned: bool,
-                     mesh) -> CanaryBatch:
+                     mesh, kv_positions: bool = False) -> CanaryBatch:
     """The ``CanaryBatch`` of a step (inside the jit), read from its own page table.
 
     Args:
@@ -263,6 +265,8 @@ def page_table_batch(arrays: dict, *, decode: bool, page_size: int, aligned: boo
       page_size, aligned: how attention reads the page table (``segment_starts``).
       mesh: the engine's mesh (its batch arrays are sharded over ``data``; the plan reads them
         replicated); None inside ``shard_map`` (the arrays are passed in replicated).
+      kv_positions: record each new token at the KV position it is written to (``entry_rows``)
+        rather than at its input position (an EAGLE draft model's: ``speculative``).
 
     Rows as ``batch_lengths`` reads them (padding rows have ``req_pool_indices`` -1 and
     ``seq_len`` 0). Padded tokens (id 0, position 0, ``out_cache_loc`` -1) are skipped by the
@@ -271,22 +275,32 @@ def page_table_batch(arrays: dict, *, decode: bool, page_size: int, aligned: boo
     live, seq, prefix, extend = batch_lengths(arrays, decode=decode, get=get)
     table, starts = token_table(arrays, page_size, get), row_starts(arrays, seq, page_size, aligned,
                                                                       get)
+    positions = (entry_rows(arrays, live, prefix, get)[1] if kv_positions
+                 else get(arrays["positions"]))
     return CanaryBatch(live.astype(jnp.int32), prefix, extend, table, get(arrays["input_ids"]),
-                       get(arrays["positions"]), written_slots(arrays, table, starts, prefix, get),
+                       positions, written_slots(arrays, table, starts, live, prefix, get),
                        req_to_token_row_starts=starts)
 
 
-def written_slots(arrays: dict, table, starts, prefix, get, xp=jnp):
-    """The slot each of the step's new tokens (``input_ids``) is written to: ``out_cache_loc``, or
-    in a speculative step (``cu_q_lens``) the slot the page table holds at the token's KV
-    position, where the ``fa`` kernel writes it; -1 past the last row's tokens."""
-    if arrays.get("cu_q_lens") is None:
-        return get(arrays["out_cache_loc"])
+def entry_rows(arrays: dict, live, prefix, get, xp=jnp):
+    """For a step planned from ``cu_q_lens``: ``(row, kv_position, written)`` of each new token,
+    its batch row, the KV position it is written to (``[seq_len - q_len, seq_len)`` of its row,
+    where the ``fa`` kernel writes it) and whether it is a live row's token (padding rows have
+    tokens too in a draft model's DECODE steps)."""
     cu = get(arrays["cu_q_lens"])
     i = xp.arange(arrays["input_ids"].shape[0], dtype=cu.dtype)
     row = xp.clip(xp.searchsorted(cu[1:], i, side="right"), 0, prefix.shape[0] - 1)
-    at = xp.clip(starts[row] + prefix[row] + i - cu[row], 0, table.shape[0] - 1)
-    return xp.where(i < cu[-1], table[at], -1)
+    return row, prefix[row] + i - cu[row], (i < cu[-1]) & live[row]
+
+
+def written_slots(arrays: dict, table, starts, live, prefix, get, xp=jnp):
+    """The slot each of the step's new tokens (``input_ids``) is written to: ``out_cache_loc``, or
+    in a step planned from ``cu_q_lens`` the slot the page table holds at the token's KV position
+    (``entry_rows``), where the ``fa`` kernel writes it; -1 for a token of no live row."""
+    if arrays.get("cu_q_lens") is None:
+        return get(arrays["out_cache_loc"])
+    row, at, written = entry_rows(arrays, live, prefix, get, xp)
+    return xp.where(written, table[xp.clip(starts[row] + at, 0, table.shape[0] - 1)], -1)
 
 
 # -- the two runner layouts ---------------------------------------------------------------------------

@@ -145,7 +145,7 @@ def named_batch_rows(rows: np.ndarray, arrays: dict, *, decode: bool, page_size:
     live, seq, prefix, ext = batch_lengths(arrays, decode=decode, get=host, xp=np)
     loc = token_table(arrays, page_size, host, np)
     starts = np.asarray(row_starts(arrays, seq, page_size, aligned, host)).astype(np.int64)
-    out = written_slots(arrays, loc, starts, prefix, host, np)
+    out = written_slots(arrays, loc, starts, live, prefix, host, np)
     pos = get("positions")
     entry_row = np.repeat(np.arange(rp.shape[0]), ext)[:out.shape[0]]
     out, pos = out[:entry_row.shape[0]], pos[:entry_row.shape[0]]

@@ -117,6 +117,9 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
     if inject is not None and inject.kind == "real_kv_unused_cache" and not config.sweep_interval:
         refuse("--kv-canary-inject real_kv_unused_cache without sweeps",
                "that fault is found by a sweep", "add --kv-canary-sweep-interval N")
+    if inject is not None and inject.on_draft and not speculative.is_speculative(a):
+        refuse("--kv-canary-inject-group DRAFT without --speculative-algorithm",
+               "there is no draft model", "add --speculative-algorithm EAGLE3 (or EAGLE)")
     return out
 
 
@@ -218,20 +221,27 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
             scheduler, config, logger=logger, episodes=True, metrics=metrics,
             protected_tokens=functools.partial(protected_tokens,
                                                scheduler.token_to_kv_pool_allocator))
-        if inject is not None:
-            injector = FaultInjector(inject, canary, scheduler, logger=logger)
-            canary.launch_hooks.append(injector.before_launch)
-            canary.step_hooks.append(injector.before_step)
         if guard.abort or config.mode == "log":
             install_request_guard(scheduler, canary, logger, abort=guard.abort)
+        spec = speculative.is_speculative(scheduler.server_args)
+        draft = speculative.install_draft_canary(scheduler, config, logger) if spec else None
+        if inject is not None:
+            aimed = draft if inject.on_draft else canary
+            injector = FaultInjector(inject, aimed, scheduler, logger=logger)
+            aimed.launch_hooks.append(injector.before_launch)
+            aimed.step_hooks.append(injector.before_step)
     except (TypeError, ValueError) as e:
         raise _unguarded(logger, str(e)) from e
-    spec = speculative.is_speculative(scheduler.server_args)
     if spec:
-        speculative.guard_spec_worker(scheduler, canary)
-    canary.idle.on_error = functools.partial(end_server, scheduler, logger)
+        speculative.guard_spec_worker(scheduler, canary, draft)
+    run_precompile = functools.partial(engine_precompile, scheduler) if precompile else None
+    for c in (canary, draft):
+        if c is not None:
+            c.idle.on_error = functools.partial(end_server, scheduler, logger)
+    if draft is not None:            # the engine's precompile runs both models
+        run_precompile = functools.partial(draft.precompile, run_precompile)
     try:
-        canary.precompile(functools.partial(engine_precompile, scheduler) if precompile else None)
+        canary.precompile(run_precompile)
     except Exception as e:
         if getattr(e, "kv_canary_engine_error", False):
             message = (f"kv-canary: sglang-jax's own model call failed in its precompile "
@@ -256,8 +266,8 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
                          f", tensor parallel over {canary.tp} devices" if canary.tp > 1 else "",
                          ", write-input assert" if config.write_input_assert else "",
                          ", token check" if config.token_check else "",
-                         f", {scheduler.server_args.speculative_algorithm} target model"
-                         if spec else "",
+                         f", {scheduler.server_args.speculative_algorithm} target and draft "
+                         "models" if spec else "",
                          ", HiCache host records" if host is not None else "",
                          f", PD {transfer.role} records" if transfer is not None else "",
                          ", metrics on /metrics" if metrics is not None else ""]),
@@ -265,8 +275,6 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
                  + (" on the SWA group" if inject.on_swa else "")) if inject else "")
     if canary.layout.recurrent:
         logger.warning(pools.RECURRENT_NOTICE)
-    if spec:
-        logger.warning(speculative.DRAFT_NOTICE)
     return canary
 
 

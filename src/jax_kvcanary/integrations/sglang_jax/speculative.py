@@ -7,9 +7,18 @@ forward modes: EXTEND (the prefill, an ordinary extend) and TARGET_VERIFY (the v
 the draft tokens of each request, written at KV positions ``[seq_len - q_len, seq_len)`` of the
 attention metadata: ``layout.attention_arrays``). Every slot a verify reads is verified after its
 new records are stamped; a rejected draft token's slot is freed and stamped again by the step
-that reuses it, so it is never reported. The draft model's own pool is not checked (``
-DRAFT_NOTICE``): its KV steers which tokens are proposed, and the target's verify decides every
-token served.
+that reuses it, so it is never reported.
+
+The draft model's pool has a canary of its own (``install_draft_canary``: its own state, sized to
+the draft pool, its own jits), on the draft runner's ``jitted_run_model``. Its steps (the prefill
+EXTEND, the DECODE steps that propose draft tokens, the DRAFT_EXTEND after each verify) are all
+planned from the ``fa`` attention metadata (the draft's DECODE batch arrays are placeholders),
+and its records hold the KV position each token is written to: sglang-jax's draft writes input
+position ``p`` at KV position ``p`` in its prefill and ``p + 1`` at ``p`` in its DECODE and
+DRAFT_EXTEND steps, and a DRAFT_EXTEND writes every draft token's entry of a request, the
+rejected ones too (they are written again before a committed read). Its reports are prefixed
+``draft model:``; in abort mode they are logged only (the target's verify decides every token
+served: a fault in the draft's KV lowers the acceptance rate, not the answers).
 
 The fused paths (EAGLE3's fused verify with its recurrent draft, the overlap scheduler's
 speculative steps) call the model inside jits of their own: ``refusals`` refuses them before
@@ -19,10 +28,13 @@ speculative batch still runs without a target model call the canary saw.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import List, Mapping, Optional, Tuple
 
+from ...runtime.config import CanaryConfig
 from ...runtime.errors import CanaryHealthError
+from .canary import SglangJaxCanary, install
 
 #: the algorithms whose non-fused path the canary guards
 GUARDED_ALGORITHMS = ("EAGLE", "EAGLE3")
@@ -31,9 +43,8 @@ SPEC_INJECT_KINDS = ("real_kv_used", "req_to_token_swap")
 #: the environment switch that keeps EAGLE3 off its fused verify and recurrent draft
 FUSED_EAGLE3_SWITCH = "SGL_JAX_DISABLE_FUSED_EAGLE3_RECURRENT_DRAFT"
 
-DRAFT_NOTICE = ("kv-canary: the draft model's KV pool is not checked: the canary guards the "
-                "target model's KV, whose verify decides every token served (a fault in the "
-                "draft's KV lowers the acceptance rate, not the answers)")
+#: how the draft canary's report lines start
+DRAFT_PREFIX = "draft model: "
 
 
 def is_speculative(server_args) -> bool:
@@ -101,23 +112,47 @@ def refusals(server_args, config, inject=None,
     return out
 
 
-def guard_spec_worker(scheduler, canary) -> None:
-    """Make every speculative batch prove that the canary saw its target model call: sglang-jax's
-    non-fused entry ``forward_batch_speculative_generation`` must run the canary's wrapped model
-    call at least once (the prefill or the verify), else ``CanaryHealthError`` (a fused path ran
-    the model out of the canary's sight); the overlap scheduler's fused entries raise it at once.
-    The scheduler's event loop ends the server with it."""
+class _Prefixed(logging.LoggerAdapter):
+    """The server's logger, each message prefixed (the draft canary's reports)."""
+
+    def process(self, msg, kwargs):
+        return f"{self.extra['prefix']}{msg}", kwargs
+
+
+def draft_runner(scheduler):
+    """The EAGLE draft model's ``ModelRunner`` of an sglang-jax scheduler."""
+    return scheduler.draft_worker.draft_worker.draft_model_runner
+
+
+def install_draft_canary(scheduler, config: CanaryConfig,
+                         logger: logging.Logger) -> SglangJaxCanary:
+    """The canary of the draft model's pool (see the module docstring): installed on the draft
+    runner's ``jitted_run_model``, with the scheduler's radix tree for its sweeps (the draft pool
+    uses the target's slot ids), reporting through ``logger`` with ``DRAFT_PREFIX``."""
+    return install(draft_runner(scheduler), config, tree_cache=getattr(scheduler, "tree_cache", None),
+                   logger=_Prefixed(logger, {"prefix": DRAFT_PREFIX}), episodes=True, draft=True)
+
+
+def guard_spec_worker(scheduler, canary, draft: Optional[SglangJaxCanary] = None) -> None:
+    """Make every speculative batch prove that the canaries saw its model calls: sglang-jax's
+    non-fused entry ``forward_batch_speculative_generation`` must run the target canary's wrapped
+    model call at least once (the prefill or the verify), and the draft canary's (``draft``) at
+    least once, else ``CanaryHealthError`` (a fused path ran a model out of the canary's sight);
+    the overlap scheduler's fused entries raise it at once. The scheduler's event loop ends the
+    server with it."""
     worker = scheduler.draft_worker
     entry = worker.forward_batch_speculative_generation
+    watched = [("target", canary)] + ([("draft", draft)] if draft is not None else [])
 
     def forward_batch_speculative_generation(model_worker_batch, *args, **kwargs):
-        before = canary.steps
+        before = [c.steps for _, c in watched]
         out = entry(model_worker_batch, *args, **kwargs)
-        if canary.steps == before:
-            raise CanaryHealthError(
-                f"kv-canary: a speculative {model_worker_batch.forward_mode.name} batch ran "
-                "without a target model call the canary saw (a fused path of sglang-jax's "
-                "speculative decoding?); the server ends rather than serve unguarded")
+        for (model, c), steps in zip(watched, before):
+            if c.steps == steps:
+                raise CanaryHealthError(
+                    f"kv-canary: a speculative {model_worker_batch.forward_mode.name} batch ran "
+                    f"without a {model} model call the canary saw (a fused path of sglang-jax's "
+                    "speculative decoding?); the server ends rather than serve unguarded")
         return out
 
     worker.forward_batch_speculative_generation = forward_batch_speculative_generation
