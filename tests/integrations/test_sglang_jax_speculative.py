@@ -213,3 +213,55 @@ def test_a_draft_step_records_each_token_at_the_kv_position_it_is_written_to():
     assert b.positions.tolist()[:2] == [9, 3]
     target = layout.page_table_batch(dev, decode=False, page_size=1, aligned=True, mesh=mesh)
     assert target.positions.tolist() == [10, 4, 1, 1]          # the input positions otherwise
+
+
+def draft_extend_batch(pages):
+    """A DRAFT_EXTEND of two requests (4 entries each; KV lengths 9 and 6) as the injector sees
+    it: the batch's placeholders and its fa metadata."""
+    md = types.SimpleNamespace(seq_lens=np.array([9, 6, 0], np.int32),
+                               cu_q_lens=np.array([0, 4, 8, 8], np.int32),
+                               cu_kv_lens=np.array([0, 9, 15, 15], np.int32),
+                               page_indices=jnp.asarray(pages))
+    mode = types.SimpleNamespace(is_target_verify=lambda: False, is_decode=lambda: False,
+                                 is_draft_extend=lambda: True)
+    return types.SimpleNamespace(
+        forward_mode=mode, attn_backend=types.SimpleNamespace(forward_metadata=md),
+        req_pool_indices=np.array([4, 1, -1], np.int32), seq_lens=np.array([9, 6, 0], np.int32),
+        extend_prefix_lens=None, extend_seq_lens=None, cache_loc=np.empty((1,)),
+        input_ids=np.arange(12, dtype=np.int32), positions=np.zeros(12, np.int32),
+        out_cache_loc=np.empty((1,)))
+
+
+@pytest.mark.parametrize("kind, moved", [
+    # row 0's last entry (KV position 8, table index 8) now writes row 1's prefix slot at its
+    # position 1 (table index 9 + 1)
+    ("spec_rejected_foreign_write", {8: 32}),
+    # row 0's first page (table index 0) now past the draft pool of 64 slots
+    ("draft_pool_short", {0: 64}),
+])
+def test_a_draft_fault_moves_one_entry_of_the_draft_step_s_page_table(kind, moved):
+    from jax_kvcanary.integrations.sglang_jax.inject import FaultInjector
+
+    pages = np.array([11, 12, 13, 14, 15, 16, 17, 18, 19, 31, 32, 33, 34, 35, 36, 0], np.int32)
+    canary = types.SimpleNamespace(config=LOG, draft=True, steps=6, num_slots=64,
+                                   layout=types.SimpleNamespace(page_size=1, groups=("FULL",)))
+    injector = FaultInjector(InjectSpec(kind, step=6), canary, scheduler=None)
+    fb = draft_extend_batch(pages)
+    injector.before_step(fb)
+    want = pages.copy()
+    for at, page in moved.items():
+        want[at] = page
+    assert np.asarray(fb.attn_backend.forward_metadata.page_indices).tolist() == want.tolist()
+    assert injector.done
+
+
+def test_the_foreign_write_is_refused_above_page_size_1():
+    from jax_kvcanary.integrations.sglang_jax.inject import FaultInjector
+
+    canary = types.SimpleNamespace(config=LOG, draft=True, steps=0, num_slots=64,
+                                   layout=types.SimpleNamespace(page_size=4, groups=("FULL",)))
+    with pytest.raises(ValueError, match="spec_rejected_foreign_write needs --page-size 1"):
+        FaultInjector(InjectSpec("spec_rejected_foreign_write"), canary, scheduler=None)
+    with pytest.raises(ValueError, match="cannot be aimed at the SWA group"):
+        InjectSpec("draft_pool_short", group="SWA")
+    assert InjectSpec("draft_pool_short").on_draft and not InjectSpec("real_kv_used").on_draft

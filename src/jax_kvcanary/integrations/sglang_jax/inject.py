@@ -75,7 +75,17 @@ own structures once, at the first batch from the ``N``-th on that has a target, 
 ``--kv-canary-inject-group DRAFT`` (EAGLE / EAGLE3) aims ``real_kv_used`` at the draft model's
 pool: byte 0 of the draft's layer-0 KV of batch row 0's position 0 flipped before a draft step
 (step = the draft canary's step count): ``verify_real_kv_hash`` at ``TAIL_K_FULL`` in the draft
-canary's report (``draft model:``), the target's KV intact.
+canary's report (``draft model:``), the target's KV intact. Two kinds always aim there, each
+changing one entry of a draft step's page table (the ``fa`` metadata its kernel reads):
+
+- ``draft_pool_short``: batch row 0's first page pointed past the end of the draft pool (the class
+  of sglang-jax #1066, a draft pool smaller than the slot range the target hands out): the step
+  reads there; ``index_out_of_range`` at HEAD and TAIL.
+- ``spec_rejected_foreign_write`` (page size 1): in a DRAFT_EXTEND of two or more requests, the
+  slot of batch row 0's last entry (a rejected draft token's, in the usual case) replaced by batch
+  row 1's last prefix slot, so the kernel writes row 0's draft KV into row 1's prefix (sglang-jax
+  #1063, where a rejected token's ``accept_index`` of -1 did so): ``verify_position`` +
+  ``verify_chain_hash`` on that slot when row 1 reads it, in the same step.
 
 ``--kv-canary-inject-group SWA`` (a hybrid SWA pool) aims the existing kinds at the SWA group:
 ``real_kv_used`` flips byte 0 of the SWA slot of batch row 0's last prefix position in the first
@@ -118,16 +128,18 @@ HICACHE_KINDS = ("hicache_reload_swap", "hicache_stale_page", "hicache_host_flip
 PD_KINDS = ("pd_zero_slot", "pd_page_shift", "pd_early_reuse")
 #: kinds planted in a hybrid SWA pool's full-to-SWA map (need an SWAKVPool)
 SWA_KINDS = ("swa_evicted_in_window", "swa_map_stale")
-KINDS = SCHEDULER_KINDS + FORWARD_KINDS + HICACHE_KINDS + PD_KINDS + SWA_KINDS
+#: kinds planted in an EAGLE draft model's page table (need --speculative-algorithm)
+DRAFT_KINDS = ("draft_pool_short", "spec_rejected_foreign_write")
+KINDS = SCHEDULER_KINDS + FORWARD_KINDS + HICACHE_KINDS + PD_KINDS + SWA_KINDS + DRAFT_KINDS
 #: kinds found by the write-input assert only
 TOKEN_KINDS = ("future_token_ring_wrap",)
 #: groups a fault can be aimed at (``--kv-canary-inject-group``): DRAFT is an EAGLE draft
 #: model's pool (``speculative``)
 GROUPS = ("FULL", "SWA", "DRAFT")
 #: kinds that cannot be aimed at the SWA group
-NOT_ON_SWA = ("real_kv_unused_cache",) + HICACHE_KINDS + PD_KINDS
+NOT_ON_SWA = ("real_kv_unused_cache",) + HICACHE_KINDS + PD_KINDS + DRAFT_KINDS
 #: kinds that can be aimed at an EAGLE draft model's pool
-ON_DRAFT = ("real_kv_used",)
+ON_DRAFT = ("real_kv_used",) + DRAFT_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +165,8 @@ class InjectSpec:
             raise ValueError(f"kv-canary: --kv-canary-inject {self.kind} cannot be aimed at the "
                              "SWA group (--kv-canary-inject-group SWA): "
                              + ("the SWA group is not swept" if self.kind == "real_kv_unused_cache"
+                                else "it is planted in the draft model's pool"
+                                if self.kind in DRAFT_KINDS
                                 else "HiCache and PD are refused with a hybrid SWA pool"))
         if self.group == "DRAFT" and self.kind not in ON_DRAFT:
             raise ValueError(f"kv-canary: --kv-canary-inject {self.kind} cannot be aimed at the "
@@ -166,8 +180,9 @@ class InjectSpec:
 
     @property
     def on_draft(self) -> bool:
-        """Whether the fault is aimed at an EAGLE draft model's pool."""
-        return self.group == "DRAFT"
+        """Whether the fault is aimed at an EAGLE draft model's pool (the ``DRAFT_KINDS``
+        always are)."""
+        return self.group == "DRAFT" or self.kind in DRAFT_KINDS
 
 
 def add_inject_args(parser) -> None:
@@ -249,6 +264,9 @@ class FaultInjector:
         self.canary = canary
         self.scheduler = scheduler
         self.logger = logger or LOGGER
+        if spec.kind == "spec_rejected_foreign_write" and canary.layout.page_size != 1:
+            raise ValueError("kv-canary: --kv-canary-inject spec_rejected_foreign_write needs "
+                             "--page-size 1 (it moves one slot of a draft step's page table)")
         if spec.on_swa and "SWA" not in canary.layout.groups:
             what = spec.kind if spec.kind in SWA_KINDS else f"{spec.kind} on the SWA group"
             raise ValueError(f"kv-canary: --kv-canary-inject {what} needs a hybrid SWA pool "
@@ -334,6 +352,9 @@ class FaultInjector:
         if self.spec.kind in SWA_KINDS and step >= self.spec.step:
             self._plant_in_swa_map(step, forward_batch)
             return
+        if self.spec.kind in DRAFT_KINDS and step >= self.spec.step:
+            self._plant_in_draft_pages(step, forward_batch)
+            return
         if self.spec.kind not in FORWARD_KINDS or step < self.spec.step:
             return
         fb = forward_batch
@@ -390,6 +411,34 @@ class FaultInjector:
             self._log(step, f"input token of batch row 0 (pool row {rows[0]}, written to slot "
                             f"{slot}) set to {ids[0]}, the token of batch row {other[0]} (pool "
                             f"row {rows[other[0]]}); it was {was}")
+
+    def _plant_in_draft_pages(self, step: int, fb) -> None:
+        """``draft_pool_short`` / ``spec_rejected_foreign_write``: one entry of the draft step's
+        page table (its ``fa`` metadata, which the kernel and the canary read) changed."""
+        md = fb.attn_backend.forward_metadata
+        host = lambda a: np.asarray(a).astype(np.int64)
+        live, seq, prefix, _ = batch_lengths(step_arrays(fb, from_attention=True), decode=False,
+                                             get=host, xp=np)
+        starts, pages = host(md.cu_kv_lens)[:-1], np.array(md.page_indices)
+        if self.spec.kind == "draft_pool_short":
+            if not live[0] or prefix[0] < 1:
+                return                                    # batch row 0 reads no prefix here
+            past = -(-self.canary.num_slots // self.canary.layout.page_size)
+            at = int(starts[0]) // self.canary.layout.page_size
+            was, pages[at] = int(pages[at]), past
+            what = (f"batch row 0's first page {was} pointed at page {past}, past the draft "
+                    f"pool's {self.canary.num_slots} slots")
+        else:
+            if (not fb.forward_mode.is_draft_extend() or live.sum() < 2 or not live[1]
+                    or prefix[1] < 1):
+                return                                    # no second request's prefix here
+            last, victim = int(starts[0] + seq[0] - 1), int(starts[1] + prefix[1] - 1)
+            was, pages[last] = int(pages[last]), int(pages[victim])
+            what = (f"batch row 0's last draft token (KV position {int(seq[0]) - 1}) written to "
+                    f"slot {pages[last]} (was {was}), batch row 1's prefix position "
+                    f"{int(prefix[1]) - 1}")
+        md.page_indices = _replace(md.page_indices, pages)
+        self._log(step, what)
 
     def _plant_in_swa_map(self, step: int, fb) -> None:
         """``swa_evicted_in_window`` / ``swa_map_stale``: batch row 0's last prefix position."""

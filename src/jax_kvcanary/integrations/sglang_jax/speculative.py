@@ -38,8 +38,10 @@ from .canary import SglangJaxCanary, install
 
 #: the algorithms whose non-fused path the canary guards
 GUARDED_ALGORITHMS = ("EAGLE", "EAGLE3")
-#: inject kinds planted in a speculative server's target pool (``inject``), tested there
-SPEC_INJECT_KINDS = ("real_kv_used", "req_to_token_swap")
+#: inject kinds planted in a speculative server (``inject``; the draft pool's with
+#: ``--kv-canary-inject-group DRAFT`` or the draft kinds), tested there
+SPEC_INJECT_KINDS = ("real_kv_used", "req_to_token_swap", "draft_pool_short",
+                     "spec_rejected_foreign_write")
 #: the environment switch that keeps EAGLE3 off its fused verify and recurrent draft
 FUSED_EAGLE3_SWITCH = "SGL_JAX_DISABLE_FUSED_EAGLE3_RECURRENT_DRAFT"
 
