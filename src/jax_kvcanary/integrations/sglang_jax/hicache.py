@@ -34,7 +34,7 @@ import numpy as np
 from ...consts import RealKvHashMode
 from ...runtime.errors import CanaryViolationError
 from ...runtime.hostcheck import check_records
-from ...runtime.offload import RECORD_BYTES
+from ...runtime.offload import export_records, import_records
 from .layout import real_kv_sources
 
 #: what the canary reads of the engine's ``LRUHostKVPool`` (sglang-jax main)
@@ -43,13 +43,26 @@ HOST_POOL_NEEDS = ("stage_backup", "flush_backup", "flush_load", "free", "releas
                    "_page_size")
 
 
+def _per_block(fn, canary, in_axes):
+    """``fn`` of ``runtime.offload`` on one canary, or with tensor parallelism (``[tp, slots,
+    stride]``) on each device's block."""
+    return jax.vmap(fn, in_axes=in_axes) if canary.ndim == 3 else fn
+
+
 def _export(canaries: dict, slots):
-    return {name: jnp.take(c[..., :RECORD_BYTES], slots, axis=-2) for name, c in canaries.items()}
+    return {name: _per_block(export_records, c, (0, None))(c, slots)[0]
+            for name, c in canaries.items()}
 
 
 def _import(canaries: dict, slots, records: dict):
-    return {name: c.at[..., slots, :RECORD_BYTES].set(records[name]) for name, c in
-            canaries.items()}
+    return {name: _per_block(import_records, c, (0, None, 0))(c, slots, _like(records[name], c))[0]
+            for name, c in canaries.items()}
+
+
+def _like(records, canary):
+    """Per-device record blocks sharded as the canary's (vmap maps both over one axis)."""
+    return (jax.sharding.reshard(records, jax.typeof(canary).sharding) if canary.ndim == 3
+            else records)
 
 
 class HostRecords:
