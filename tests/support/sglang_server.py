@@ -56,6 +56,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: how long ``Server.stop`` waits after SIGTERM before SIGKILL of the process group
+STOP_GRACE_S = 1.0
+
+
 class Server:
     """One server process. ``Server(args, log_path).start()``; use as a context manager.
 
@@ -103,10 +107,12 @@ class Server:
             return None
 
     def stop(self) -> None:
-        """SIGTERM to the server's process group, SIGKILL after 15 s; reaps the process."""
+        """SIGTERM to the server's process group, SIGKILL after ``STOP_GRACE_S``; reaps the
+        process. (sglang-jax's launcher takes ~5 s to exit on SIGTERM, in a wait of its own; the
+        tests have read what they check by then, and the servers are many.)"""
         if self.proc is None:
             return
-        for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+        for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 15)):
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
