@@ -35,6 +35,8 @@ def spec_args(algorithm: str, draft: str) -> tuple:
 
 
 NOT_FUSED = {"SGL_JAX_DISABLE_FUSED_EAGLE3_RECURRENT_DRAFT": "1"}
+#: the write-input assert and the token check
+TOKENS = ("--kv-canary-write-input-assert", "--kv-canary-token-check")
 #: batches of the four prompts after the two single requests (the later ones hit the prefix cache)
 BATCHES = 5
 
@@ -75,18 +77,19 @@ def plain(models, tmp_path_factory):
 @pytest.mark.parametrize("page_size", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_eagle3_guarded_serves_the_target_s_own_tokens_with_no_row(models, tmp_path, plain,
                                                                    page_size):
-    """EAGLE3 (top-k 1, 3 steps, 4 draft tokens) with the canaries of both models: the tokens of
-    the target served alone over 22 requests (batched, prefix hits), no violation row of either;
+    """EAGLE3 (top-k 1, 3 steps, 4 draft tokens) with the canaries of both models, the
+    write-input assert and the token check: the tokens of the target served alone over 22
+    requests (batched, prefix hits), no violation row of either;
     the draft canary ran its steps and sweeps; the server idles between requests and passes
     sglang-jax's idle-time memory checks (at page size 1, with the leak patch). Page size 4: the
     page tables are whole pages (``layout.token_table``)."""
     with server(models, tmp_path, "--kv-canary", "log", "--kv-canary-sweep-interval", "4",
-                "--kv-canary-stats-interval", "60", *spec_args("EAGLE3", models[1]), name="eagle3",
-                env=NOT_FUSED, page_size=page_size) as srv:
+                "--kv-canary-stats-interval", "60", *TOKENS, *spec_args("EAGLE3", models[1]),
+                name="eagle3", env=NOT_FUSED, page_size=page_size) as srv:
         got = ids(replies(srv))
         again = srv.generate(PROMPTS[0], 12)["output_ids"]       # after an idle moment
         log = srv.log()
-    assert "EAGLE3 target and draft models" in log, log[-3000:]
+    assert "write-input assert, token check, EAGLE3 target and draft models" in log, log[-3000:]
     assert re.search(r"draft model: kv_canary stats: .*violations=0 HEAD_K_FULL=verified:[1-9]\d*,"
                      r"written:[1-9].*SWEEP_K_FULL=verified:[1-9]", log), log[-3000:]
     assert "accept-len" in log and "memory leak detected" not in log, log[-3000:]
@@ -94,15 +97,18 @@ def test_eagle3_guarded_serves_the_target_s_own_tokens_with_no_row(models, tmp_p
     assert "kv_canary violation" not in log and "Traceback" not in log, log[-3000:]
 
 
-@pytest.mark.parametrize("kind", [
-    "real_kv_used", pytest.param("req_to_token_swap", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind, checks", [
+    ("real_kv_used", ()), pytest.param("req_to_token_swap", (), marks=pytest.mark.slow),
+    ("spec_accept_overcount", TOKENS)])
 def test_eagle3_fault_in_the_target_kv_is_reported_and_its_request_aborted(models, tmp_path,
-                                                                          kind):
+                                                                          kind, checks):
     """A fault planted in a verify step (step 4: the prefill, then verify steps) is reported by
-    that step and the request reading the KV aborted (mode abort)."""
+    that step or the next and the request reading the KV aborted (mode abort). A request that
+    commits its rejected draft token (``spec_accept_overcount``) is found by the token check of
+    its next verify: the slot's record is the draft token's own, the target verified another."""
     with server(models, tmp_path, "--kv-canary", "abort", "--kv-canary-inject", kind,
-                "--kv-canary-inject-step", "4", *spec_args("EAGLE3", models[1]), name=kind,
-                env=NOT_FUSED) as srv:
+                "--kv-canary-inject-step", "4", *checks, *spec_args("EAGLE3", models[1]),
+                name=kind, env=NOT_FUSED) as srv:
         hit = srv.generate(PROMPTS[3], 12)
         injected = srv.injected()
         later = srv.generate(PROMPTS[0], 12)
@@ -110,6 +116,8 @@ def test_eagle3_fault_in_the_target_kv_is_reported_and_its_request_aborted(model
     assert injected is not None and injected[0] == kind, log[-3000:]
     pumped = [p for _, _, _, p in srv.reports()]
     assert pumped and min(pumped) <= injected[1] + 2, (injected, pumped)
+    if kind == "spec_accept_overcount":
+        assert {why for _, why, _, _ in srv.reports()} == {"verify_token"}, srv.reports()
     check_acted_on("abort", hit, log)
     assert later["meta_info"]["finish_reason"]["type"] == "length", later
 
@@ -168,9 +176,10 @@ def test_eagle_batched_answers_that_differ_from_the_target_are_named(models, tmp
 def test_eagle_with_the_verify_pages_fixed_serves_the_target_s_tokens_with_no_row(models, tmp_path,
                                                                                 plain):
     """The clean twin: the same EAGLE server with the test-only fix of its verify page table
-    gives the target's own tokens over 22 requests and the canary stays silent."""
+    gives the target's own tokens over 22 requests and the canary stays silent, the write-input
+    assert and the token check on."""
     env = dict(NOT_FUSED, **{engine_patches.VERIFY_PAGES_SWITCH: "1"})
-    with server(models, tmp_path, "--kv-canary", "log", *spec_args("EAGLE", models[1]),
+    with server(models, tmp_path, "--kv-canary", "log", *TOKENS, *spec_args("EAGLE", models[1]),
                 name="eagle-fixed", env=env) as srv:
         got = ids(replies(srv))
         log = srv.log()

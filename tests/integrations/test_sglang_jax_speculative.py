@@ -1,7 +1,8 @@
 """Speculative decoding's pieces without a server: the refusals before start, the health check that
 ends a server whose speculative batch ran a model call a canary did not see, a verify step planned
-from the attention metadata the ``fa`` kernel reads (``layout.attention_arrays``), and the draft
-model's steps planned the same way with records at KV positions."""
+from the attention metadata the ``fa`` kernel reads (``layout.attention_arrays``), the draft
+model's steps planned the same way with records at KV positions, and a verify's committed tokens
+as the write-input assert and the token check read them (``verified_cells``)."""
 
 import types
 
@@ -68,13 +69,63 @@ def test_the_fused_eagle3_verify_is_only_refused_where_sglang_jax_would_take_it(
     assert settings(spec_args(speculative_num_draft_tokens=6), environ={}) == []
 
 
-def test_token_checks_and_untested_inject_kinds_are_refused_with_speculative_decoding():
-    tokens = CanaryConfig(mode="log", write_input_assert=True)
-    assert settings(spec_args(), config=tokens) == [
-        "--kv-canary-write-input-assert / --kv-canary-token-check with --speculative-algorithm "
-        "EAGLE3"]
+def test_untested_inject_kinds_are_refused_with_speculative_decoding_and_token_checks_are_not():
+    tokens = CanaryConfig(mode="log", write_input_assert=True, token_check=True)
+    assert settings(spec_args(), config=tokens) == []
     assert settings(spec_args(), inject=InjectSpec("wrong_position")) == [
         "--kv-canary-inject wrong_position with --speculative-algorithm EAGLE3"]
+
+
+def test_the_accept_overcount_fault_needs_a_speculative_server_with_the_token_check():
+    from jax_kvcanary.integrations.sglang_jax.server import refusals
+
+    spec = InjectSpec("spec_accept_overcount")
+    assert not spec.on_draft
+    with pytest.raises(ValueError, match="cannot be aimed at the SWA group"):
+        InjectSpec("spec_accept_overcount", group="SWA")
+    base = {"dp_size": 1, "enable_lora": False}
+    plain = types.SimpleNamespace(**{**vars(spec_args(speculative_algorithm=None)), **base})
+    eagle = types.SimpleNamespace(**{**vars(spec_args()), **base})
+    tokens = CanaryConfig(mode="log", token_check=True)
+    assert [line for line in refusals(plain, tokens, spec) if "overcount" in line] == [
+        "kv-canary: --kv-canary-inject spec_accept_overcount without --speculative-algorithm is "
+        "not supported: that fault is planted in a speculative verify; add "
+        "--speculative-algorithm EAGLE3 (or EAGLE)"]
+    assert [line for line in refusals(eagle, LOG, spec) if "overcount" in line] == [
+        "kv-canary: --kv-canary-inject spec_accept_overcount without --kv-canary-token-check is "
+        "not supported: that fault is found by the token check; add --kv-canary-token-check"]
+
+
+def test_a_verify_s_committed_tokens_are_recorded_and_its_next_draft_positions_made_unknown():
+    """Two live rows and a padding row, 4 draft tokens (3 steps): row 0 (pool row 5, first
+    verified position 10) accepted 1 draft token (2 committed), row 1 (pool row 2, position 7)
+    none (1 committed). Each commits the target's tokens at the positions after its first, then
+    4 positions are unknown."""
+    positions = np.array([10, 11, 9, 9, 7, 9, 9, 9, 0, 0, 0, 0])      # gathered, accept order
+    ids = np.array([101, 102, 103, 104, 201, 202, 203, 204, 0, 0, 0, 0])
+    cells = speculative.verified_cells(np.array([5, 2, -1]), positions, ids, np.array([2, 1, 1]),
+                                       draft_tokens=4)
+    got = sorted(map(tuple, cells.T.tolist()))
+    assert got == sorted([(6, 11, 101), (6, 12, 102), (6, 13, -1), (6, 14, -1), (6, 15, -1),
+                          (6, 16, -1), (3, 8, 201), (3, 9, -1), (3, 10, -1), (3, 11, -1),
+                          (3, 12, -1)])
+
+
+def test_the_token_mirror_makes_a_new_request_s_draft_positions_unknown():
+    """With a lookahead, a request's extend sends its tokens, then that many unknown positions
+    (what an earlier request on its pool row left there)."""
+    import jax
+
+    from jax_kvcanary.integrations.sglang_jax.tokens import TokenMirror
+
+    mesh = jax.make_mesh((1,), ("data",))
+    mirror = TokenMirror(4, 16, mesh)
+    mirror.commit(np.stack([np.full(16, 2), np.arange(16), np.full(16, 7)]))   # an earlier
+    req = types.SimpleNamespace(req_pool_idx=1, fill_ids=[3, 4, 5], prefix_indices=[], rid="a")
+    mirror.lookahead = 4
+    for chunk in mirror.host_tokens([req]):
+        mirror.pool = mirror._apply(mirror.pool, chunk)
+    assert np.asarray(mirror.pool)[2, :9].tolist() == [3, 4, 5, -1, -1, -1, -1, 7, 7]
 
 
 class FakeSpecWorker:

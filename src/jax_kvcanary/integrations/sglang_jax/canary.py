@@ -579,7 +579,10 @@ class SglangJaxCanary:
                 if self.tokens is not None:
                     self.tokens.before_step(getattr(forward_batch, "bid", None))
                     arrays["token_pool"] = self.tokens.pool
-                    self._step_rows = (forward_batch.req_pool_indices, forward_batch.seq_lens)
+                    # a verify samples nothing (speculative.record_verified_tokens)
+                    self._step_rows = (None if forward_batch.forward_mode.is_target_verify()
+                                       else (forward_batch.req_pool_indices,
+                                             forward_batch.seq_lens))
                 decode = not self.draft and bool(forward_batch.forward_mode.is_decode())
                 self.state, snapshot, _ = self._check_fn(self.state, arrays, kvs, decode=decode)
                 if self.warming:

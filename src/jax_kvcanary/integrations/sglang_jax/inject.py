@@ -87,6 +87,12 @@ changing one entry of a draft step's page table (the ``fa`` metadata its kernel 
   #1063, where a rejected token's ``accept_index`` of -1 did so): ``verify_position`` +
   ``verify_chain_hash`` on that slot when row 1 reads it, in the same step.
 
+``spec_accept_overcount`` (needs ``--kv-canary-token-check``) changes a target verify's result:
+the first batch row that rejected a draft token commits one token more than it verified, so the
+position of its first rejected draft token is committed while its KV still holds that draft
+token, and the request holds the target's token there; ``verify_token`` when the request's next
+verify reads it (the slot's record is the rejected token's own: only the token check sees it).
+
 ``--kv-canary-inject-group SWA`` (a hybrid SWA pool) aims the existing kinds at the SWA group:
 ``real_kv_used`` flips byte 0 of the SWA slot of batch row 0's last prefix position in the first
 sliding layer's KV (``verify_real_kv_hash`` at ``TAIL_K_SWA``; the FULL group intact);
@@ -130,14 +136,18 @@ PD_KINDS = ("pd_zero_slot", "pd_page_shift", "pd_early_reuse")
 SWA_KINDS = ("swa_evicted_in_window", "swa_map_stale")
 #: kinds planted in an EAGLE draft model's page table (need --speculative-algorithm)
 DRAFT_KINDS = ("draft_pool_short", "spec_rejected_foreign_write")
-KINDS = SCHEDULER_KINDS + FORWARD_KINDS + HICACHE_KINDS + PD_KINDS + SWA_KINDS + DRAFT_KINDS
+#: kinds planted in a speculative verify's result (need --speculative-algorithm; found by the
+#: token check)
+VERIFY_KINDS = ("spec_accept_overcount",)
+KINDS = (SCHEDULER_KINDS + FORWARD_KINDS + HICACHE_KINDS + PD_KINDS + SWA_KINDS + DRAFT_KINDS
+         + VERIFY_KINDS)
 #: kinds found by the write-input assert only
 TOKEN_KINDS = ("future_token_ring_wrap",)
 #: groups a fault can be aimed at (``--kv-canary-inject-group``): DRAFT is an EAGLE draft
 #: model's pool (``speculative``)
 GROUPS = ("FULL", "SWA", "DRAFT")
 #: kinds that cannot be aimed at the SWA group
-NOT_ON_SWA = ("real_kv_unused_cache",) + HICACHE_KINDS + PD_KINDS + DRAFT_KINDS
+NOT_ON_SWA = ("real_kv_unused_cache",) + HICACHE_KINDS + PD_KINDS + DRAFT_KINDS + VERIFY_KINDS
 #: kinds that can be aimed at an EAGLE draft model's pool
 ON_DRAFT = ("real_kv_used",) + DRAFT_KINDS
 
@@ -165,8 +175,8 @@ class InjectSpec:
             raise ValueError(f"kv-canary: --kv-canary-inject {self.kind} cannot be aimed at the "
                              "SWA group (--kv-canary-inject-group SWA): "
                              + ("the SWA group is not swept" if self.kind == "real_kv_unused_cache"
-                                else "it is planted in the draft model's pool"
-                                if self.kind in DRAFT_KINDS
+                                else "it is planted in speculative decoding"
+                                if self.kind in DRAFT_KINDS + VERIFY_KINDS
                                 else "HiCache and PD are refused with a hybrid SWA pool"))
         if self.group == "DRAFT" and self.kind not in ON_DRAFT:
             raise ValueError(f"kv-canary: --kv-canary-inject {self.kind} cannot be aimed at the "
@@ -279,6 +289,11 @@ class FaultInjector:
                                          None))
         if spec.kind in PD_KINDS:
             self._hook_receive(scheduler)
+        if spec.kind in VERIFY_KINDS:
+            if not canary.config.token_check:
+                raise ValueError(f"kv-canary: --kv-canary-inject {spec.kind} needs "
+                                 "--kv-canary-token-check (the fault is found by it)")
+            self._hook_verify(scheduler.draft_worker)
 
     def _log(self, step: int, what: str) -> None:
         self.done = True
@@ -459,6 +474,43 @@ class FaultInjector:
         self._log(step, f"full_to_swa_index_mapping[{full}] (position {seq[0] - 2} of batch row "
                         f"0, inside its window) set to {planted} (was {original}; put back at the "
                         "next step)")
+
+    # -- a speculative verify's result (the scheduler's thread) ----------------------------------
+    def _hook_verify(self, worker) -> None:
+        """``spec_accept_overcount``: after a verify from the step on, the first batch row that
+        rejected a draft token commits that token as if accepted, then the target's token one
+        position later (its ``accept_lens`` one more, its tokens shifted): the KV of the rejected
+        token stays at a position the request now holds it at, which the target never verified.
+        The canary's record of the verify (``speculative.record_verified_tokens``) is taken
+        before this, as the verify returned it."""
+        verify = worker.verify
+        draft_tokens = int(worker.speculative_num_draft_tokens)
+
+        def verify_overcounted(model_worker_batch, *args, **kwargs):
+            out = verify(model_worker_batch, *args, **kwargs)
+            step = self.canary.steps
+            if self.done or step < self.spec.step:
+                return out
+            rp = np.asarray(model_worker_batch.req_pool_indices)
+            lens, ids = np.array(out.accept_lens), np.array(out.next_token_ids)
+            rows = [r for r in range(min(len(rp), len(lens)))
+                    if rp[r] >= 0 and 0 < lens[r] < draft_tokens]
+            if not rows:
+                return out
+            r = rows[0]
+            a, at = int(lens[r]), r * draft_tokens + int(lens[r])
+            drafted = int(np.asarray(model_worker_batch.input_ids)[at])   # the verify's input
+            positions = np.asarray(model_worker_batch.positions)   # gathered: W per row
+            position = int(positions[r * (len(positions) // len(lens))]) + a
+            ids[at], ids[at - 1] = ids[at - 1], drafted
+            lens[r] += 1
+            out.accept_lens, out.next_token_ids = lens, ids
+            self._log(step, f"batch row {r} (pool row {rp[r]}) commits its rejected draft token "
+                            f"{drafted} at position {position}, where the target verified "
+                            f"{ids[at]} (accept length {a} -> {a + 1})")
+            return out
+
+        worker.verify = verify_overcounted
 
     # -- the HiCache host pool (the scheduler's thread and the engine's D2H worker) --------------
     def _hook_host_pool(self, pool) -> None:

@@ -31,7 +31,8 @@ from .canary import LOGGER, install_into_scheduler
 from .hicache import install_host_records
 from .pd import install_transfer_records
 from .request_guard import install_request_guard
-from .inject import HICACHE_KINDS, PD_KINDS, SWA_KINDS, TOKEN_KINDS, FaultInjector, InjectSpec
+from .inject import (HICACHE_KINDS, PD_KINDS, SWA_KINDS, TOKEN_KINDS, VERIFY_KINDS, FaultInjector,
+                     InjectSpec)
 from .layout import ATTENTION_BACKENDS
 from .metrics import PrometheusCounters, protected_tokens
 
@@ -120,6 +121,14 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
     if inject is not None and inject.on_draft and not speculative.is_speculative(a):
         refuse("--kv-canary-inject-group DRAFT without --speculative-algorithm",
                "there is no draft model", "add --speculative-algorithm EAGLE3 (or EAGLE)")
+    if inject is not None and inject.kind in VERIFY_KINDS:
+        if not speculative.is_speculative(a):
+            refuse(f"--kv-canary-inject {inject.kind} without --speculative-algorithm",
+                   "that fault is planted in a speculative verify",
+                   "add --speculative-algorithm EAGLE3 (or EAGLE)")
+        if not config.token_check:
+            refuse(f"--kv-canary-inject {inject.kind} without --kv-canary-token-check",
+                   "that fault is found by the token check", "add --kv-canary-token-check")
     return out
 
 
@@ -225,6 +234,8 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
             install_request_guard(scheduler, canary, logger, abort=guard.abort)
         spec = speculative.is_speculative(scheduler.server_args)
         draft = speculative.install_draft_canary(scheduler, config, logger) if spec else None
+        if spec:                 # before an injector changes what a verify returns
+            speculative.record_verified_tokens(scheduler, canary)
         if inject is not None:
             aimed = draft if inject.on_draft else canary
             injector = FaultInjector(inject, aimed, scheduler, logger=logger)

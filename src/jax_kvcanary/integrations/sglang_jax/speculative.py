@@ -20,6 +20,14 @@ rejected ones too (they are written again before a committed read). Its reports 
 ``draft model:``; in abort mode they are logged only (the target's verify decides every token
 served: a fault in the draft's KV lowers the acceptance rate, not the answers).
 
+With the write-input assert and the token check (``tokens``), the target's intended tokens are
+its prompt, its sampled first token and, after each verify, the tokens the verify committed
+(``record_verified_tokens``): a verify's draft tokens are no request's intended tokens until
+accepted, so the positions they are written to are unknown until then (the write-input assert
+compares each verify's first token, the token check every committed position it reads). The
+draft canary runs neither: the draft's inputs are the target's tokens shifted by one position,
+and what it writes decides no token served.
+
 The fused paths (EAGLE3's fused verify with its recurrent draft, the overlap scheduler's
 speculative steps) call the model inside jits of their own: ``refusals`` refuses them before
 start, naming the switch that turns them off, and ``guard_spec_worker`` ends the server if a
@@ -28,9 +36,12 @@ speculative batch still runs without a target model call the canary saw.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import List, Mapping, Optional, Tuple
+
+import numpy as np
 
 from ...runtime.config import CanaryConfig
 from ...runtime.errors import CanaryHealthError
@@ -41,7 +52,7 @@ GUARDED_ALGORITHMS = ("EAGLE", "EAGLE3")
 #: inject kinds planted in a speculative server (``inject``; the draft pool's with
 #: ``--kv-canary-inject-group DRAFT`` or the draft kinds), tested there
 SPEC_INJECT_KINDS = ("real_kv_used", "req_to_token_swap", "draft_pool_short",
-                     "spec_rejected_foreign_write")
+                     "spec_rejected_foreign_write", "spec_accept_overcount")
 #: the environment switch that keeps EAGLE3 off its fused verify and recurrent draft
 FUSED_EAGLE3_SWITCH = "SGL_JAX_DISABLE_FUSED_EAGLE3_RECURRENT_DRAFT"
 
@@ -96,11 +107,6 @@ def refusals(server_args, config, inject=None,
         out.append((f"--speculative-algorithm {alg} with --tp-size {a.tp_size}",
                     "speculative decoding with tensor parallelism has not run here",
                     "use --tp-size 1"))
-    if config.write_input_assert or config.token_check:
-        out.append((f"--kv-canary-write-input-assert / --kv-canary-token-check with "
-                    f"--speculative-algorithm {alg}", "a verify step's draft tokens are not the "
-                    "requests' intended tokens until accepted (not modelled yet)",
-                    "drop them"))
     tiers = (getattr(a, "disaggregation_mode", "null") not in (None, "null"),
              getattr(a, "hicache_storage", "disable") not in (None, "disable"))
     if any(tiers):
@@ -130,7 +136,9 @@ def install_draft_canary(scheduler, config: CanaryConfig,
                          logger: logging.Logger) -> SglangJaxCanary:
     """The canary of the draft model's pool (see the module docstring): installed on the draft
     runner's ``jitted_run_model``, with the scheduler's radix tree for its sweeps (the draft pool
-    uses the target's slot ids), reporting through ``logger`` with ``DRAFT_PREFIX``."""
+    uses the target's slot ids), reporting through ``logger`` with ``DRAFT_PREFIX``; without the
+    write-input assert and the token check."""
+    config = dataclasses.replace(config, write_input_assert=False, token_check=False)
     return install(draft_runner(scheduler), config, tree_cache=getattr(scheduler, "tree_cache", None),
                    logger=_Prefixed(logger, {"prefix": DRAFT_PREFIX}), episodes=True, draft=True)
 
@@ -170,3 +178,57 @@ def _unseen(name: str):
                                 "the canary does not see; the server ends rather than serve "
                                 "unguarded")
     return refuse
+
+
+def verified_cells(req_pool_indices, positions, next_token_ids, accept_lens,
+                   draft_tokens: int) -> np.ndarray:
+    """The ``tokens.TokenMirror`` cells of a verify's result (``[3, n]``: pool row + 1,
+    position, token): each live row's committed tokens after its first verified position, then
+    ``draft_tokens`` unknown positions after the last (the draft tokens its next verify writes).
+
+    Args:
+      req_pool_indices: ``[B]``, the batch rows' request pool rows (-1: padding).
+      positions: ``[B * W]``, the verify entries' positions gathered in accept order
+        (``W = num_steps + 1``); each row's first is its first verified position ``P``.
+      next_token_ids: ``[B * draft_tokens]``, the target's token after each verify entry; row
+        ``r`` commits its first ``accept_lens[r]`` at positions ``P + 1, ...``.
+      accept_lens: ``[B]``, tokens committed per row (the accepted draft tokens and one more).
+    """
+    rp = np.asarray(req_pool_indices, np.int64).reshape(-1)
+    acc = np.asarray(accept_lens, np.int64).reshape(-1)
+    ids = np.asarray(next_token_ids, np.int64).reshape(-1)
+    pos = np.asarray(positions, np.int64).reshape(-1)
+    n = min(rp.shape[0], acc.shape[0], ids.shape[0] // draft_tokens)
+    width = pos.shape[0] // max(acc.shape[0], 1)
+    live = (rp[:n] >= 0) & (acc[:n] > 0)
+    first = pos[:n * width].reshape(n, width)[:, 0] if width else np.zeros(n, np.int64)
+    j = np.arange(2 * draft_tokens)
+    kept = j[None, :] < acc[:n, None]                 # committed, then unknown
+    cols = first[:, None] + 1 + j[None, :]
+    tokens = np.where(kept, ids[:n * draft_tokens].reshape(n, draft_tokens)[
+        :, np.minimum(j, draft_tokens - 1)], -1)
+    take = live[:, None] & (j[None, :] < acc[:n, None] + draft_tokens)
+    rows = np.broadcast_to(rp[:n, None] + 1, take.shape)
+    return np.stack([rows[take], cols[take], tokens[take]])
+
+
+def record_verified_tokens(scheduler, canary: SglangJaxCanary) -> None:
+    """With the write-input assert or the token check: each verify's committed tokens stored in
+    the target canary's ``TokenMirror`` once it has run (``verified_cells``), and every new
+    request's first draft positions made unknown (``TokenMirror.lookahead``)."""
+    mirror = canary.tokens
+    if mirror is None:
+        return
+    worker = scheduler.draft_worker
+    draft_tokens = int(worker.speculative_num_draft_tokens)
+    mirror.lookahead = draft_tokens
+    verify = worker.verify
+
+    def verify_recorded(model_worker_batch, *args, **kwargs):
+        out = verify(model_worker_batch, *args, **kwargs)
+        mirror.commit(verified_cells(model_worker_batch.req_pool_indices,
+                                     model_worker_batch.positions, out.next_token_ids,
+                                     out.accept_lens, draft_tokens))
+        return out
+
+    worker.verify = verify_recorded

@@ -20,6 +20,12 @@ It is filled in step order, in the thread that runs the forward, from two source
   this holds under the overlap scheduler, where the host does not know a DECODE step's input
   token when it launches the step (sglang-jax resolves it on the device from its future map).
 
+- **a speculative verify's accepted tokens** (EAGLE, ``speculative.record_verified_tokens``): a
+  verify writes each request's last token and its draft tokens, and the tokens it commits are
+  known only once it has run; they are stored (``commit``) at their positions, and the positions
+  the request's next verify writes draft tokens to are made unknown (-1), since a draft token is
+  no request's intended token until accepted (``lookahead``: a new request's too).
+
 A DECODE step whose input token is not the token sampled for that request in its previous step
 (sglang-jax's future map handing a request another request's token, the effect of sglang-jax
 #1487) is then a ``write_token`` violation of the step that consumed it. An entry whose intended
@@ -116,6 +122,7 @@ class TokenMirror:
 
     def __init__(self, num_rows: int, num_cols: int, mesh):
         self.shape = (int(num_rows) + 1, int(num_cols))
+        self.lookahead = 0       # positions after a request's extend made unknown (speculative)
         self.sharding = NamedSharding(mesh, PartitionSpec())
         self._apply = jax.jit(_apply, donate_argnums=(0,), out_shardings=self.sharding)
         self._record = jax.jit(functools.partial(_record, mesh=mesh),
@@ -142,7 +149,8 @@ class TokenMirror:
         """The device chunks of an EXTEND batch's intended tokens (``reqs``: its requests).
 
         Each request contributes ``fill_ids[start:len(fill_ids)]`` at positions from ``start``:
-        its extend, and, the first time it is seen on its pool row, its cached prefix too."""
+        its extend, and, the first time it is seen on its pool row, its cached prefix too; then
+        ``lookahead`` unknown positions (what an earlier request on the row left there)."""
         cells = []
         for req in reqs:
             rp, fill = int(req.req_pool_idx), req.fill_ids
@@ -155,6 +163,7 @@ class TokenMirror:
                 pos = np.arange(start, end, dtype=np.int64)
                 cells.append(np.stack([np.full_like(pos, rp + 1), pos,
                                        np.asarray(fill[start:end], np.int64)]))
+            cells.append(_unknown(rp + 1, end, self.lookahead))
         return self._chunks(np.concatenate(cells, axis=1) if cells else np.zeros((3, 0), np.int64))
 
     def _chunks(self, cells: np.ndarray) -> list:
@@ -186,3 +195,15 @@ class TokenMirror:
     def after_sample(self, req_pool_indices, seq_lens, next_token_ids) -> None:
         """Store the sampler's tokens of the step (device arrays; nothing waits for them)."""
         self.pool = self._record(self.pool, req_pool_indices, seq_lens, next_token_ids)
+
+    def commit(self, cells: np.ndarray) -> None:
+        """Store host ``cells`` (``[3, n]``: pool row + 1, position, token; -1 = unknown) at
+        once (a speculative verify's accepted tokens, known on the host once it has run)."""
+        for chunk in self._chunks(cells):
+            self.pool = self._apply(self.pool, chunk)
+
+
+def _unknown(row: int, start: int, n: int) -> np.ndarray:
+    """Cells making positions ``[start, start + n)`` of pool row ``row`` unknown."""
+    pos = np.arange(start, start + n, dtype=np.int64)
+    return np.stack([np.full_like(pos, row), pos, np.full_like(pos, UNKNOWN)])
