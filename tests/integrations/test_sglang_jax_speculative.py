@@ -89,31 +89,28 @@ def test_the_accept_overcount_fault_needs_a_speculative_server_with_the_token_ch
     tokens = CanaryConfig(mode="log", token_check=True)
     assert [line for line in refusals(plain, tokens, spec) if "overcount" in line] == [
         "kv-canary: --kv-canary-inject spec_accept_overcount without --speculative-algorithm is "
-        "not supported: that fault is planted in a speculative verify; add "
+        "not supported: that fault is planted in speculative decoding; add "
         "--speculative-algorithm EAGLE3 (or EAGLE)"]
     assert [line for line in refusals(eagle, LOG, spec) if "overcount" in line] == [
         "kv-canary: --kv-canary-inject spec_accept_overcount without --kv-canary-token-check is "
         "not supported: that fault is found by the token check; add --kv-canary-token-check"]
 
 
-def test_a_verify_s_committed_tokens_are_recorded_and_its_next_draft_positions_made_unknown():
+def test_a_verify_s_committed_tokens_are_recorded_at_the_positions_after_its_first():
     """Two live rows and a padding row, 4 draft tokens (3 steps): row 0 (pool row 5, first
     verified position 10) accepted 1 draft token (2 committed), row 1 (pool row 2, position 7)
-    none (1 committed). Each commits the target's tokens at the positions after its first, then
-    4 positions are unknown."""
+    none (1 committed). Each commits the target's tokens at the positions after its first; the
+    sampling path's one extra token at the end is not read."""
     positions = np.array([10, 11, 9, 9, 7, 9, 9, 9, 0, 0, 0, 0])      # gathered, accept order
-    ids = np.array([101, 102, 103, 104, 201, 202, 203, 204, 0, 0, 0, 0])
+    ids = np.array([101, 102, 103, 104, 201, 202, 203, 204, 0, 0, 0, 0, 999])
     cells = speculative.verified_cells(np.array([5, 2, -1]), positions, ids, np.array([2, 1, 1]),
                                        draft_tokens=4)
-    got = sorted(map(tuple, cells.T.tolist()))
-    assert got == sorted([(6, 11, 101), (6, 12, 102), (6, 13, -1), (6, 14, -1), (6, 15, -1),
-                          (6, 16, -1), (3, 8, 201), (3, 9, -1), (3, 10, -1), (3, 11, -1),
-                          (3, 12, -1)])
+    assert sorted(map(tuple, cells.T.tolist())) == [(3, 8, 201), (6, 11, 101), (6, 12, 102)]
 
 
-def test_the_token_mirror_makes_a_new_request_s_draft_positions_unknown():
+def test_the_token_mirror_makes_the_draft_positions_after_a_request_s_tokens_unknown():
     """With a lookahead, a request's extend sends its tokens, then that many unknown positions
-    (what an earlier request on its pool row left there)."""
+    (what an earlier request on its pool row left there), and so does a verify's commit."""
     import jax
 
     from jax_kvcanary.integrations.sglang_jax.tokens import TokenMirror
@@ -126,6 +123,8 @@ def test_the_token_mirror_makes_a_new_request_s_draft_positions_unknown():
     for chunk in mirror.host_tokens([req]):
         mirror.pool = mirror._apply(mirror.pool, chunk)
     assert np.asarray(mirror.pool)[2, :9].tolist() == [3, 4, 5, -1, -1, -1, -1, 7, 7]
+    mirror.commit(np.array([[2, 2], [3, 4], [8, 9]]))        # a verify committed 8, 9 at 3, 4
+    assert np.asarray(mirror.pool)[2, :11].tolist() == [3, 4, 5, 8, 9, -1, -1, -1, -1, 7, 7]
 
 
 class FakeSpecWorker:

@@ -123,6 +123,7 @@ import numpy as np
 
 from .canary import LOGGER, radix_chains
 from .layout import batch_lengths, step_arrays, token_table
+from .speculative import first_positions
 
 SCHEDULER_KINDS = ("req_to_token_swap", "slot_double_free", "real_kv_unused_cache")
 FORWARD_KINDS = ("real_kv_used", "wrong_position", "cache_loc_off_by_one",
@@ -500,8 +501,7 @@ class FaultInjector:
             r = rows[0]
             a, at = int(lens[r]), r * draft_tokens + int(lens[r])
             drafted = int(np.asarray(model_worker_batch.input_ids)[at])   # the verify's input
-            positions = np.asarray(model_worker_batch.positions)   # gathered: W per row
-            position = int(positions[r * (len(positions) // len(lens))]) + a
+            position = int(first_positions(model_worker_batch.positions, len(lens))[r]) + a
             ids[at], ids[at - 1] = ids[at - 1], drafted
             lens[r] += 1
             out.accept_lens, out.next_token_ids = lens, ids

@@ -118,17 +118,16 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
     if inject is not None and inject.kind == "real_kv_unused_cache" and not config.sweep_interval:
         refuse("--kv-canary-inject real_kv_unused_cache without sweeps",
                "that fault is found by a sweep", "add --kv-canary-sweep-interval N")
-    if inject is not None and inject.on_draft and not speculative.is_speculative(a):
-        refuse("--kv-canary-inject-group DRAFT without --speculative-algorithm",
-               "there is no draft model", "add --speculative-algorithm EAGLE3 (or EAGLE)")
-    if inject is not None and inject.kind in VERIFY_KINDS:
-        if not speculative.is_speculative(a):
-            refuse(f"--kv-canary-inject {inject.kind} without --speculative-algorithm",
-                   "that fault is planted in a speculative verify",
-                   "add --speculative-algorithm EAGLE3 (or EAGLE)")
-        if not config.token_check:
-            refuse(f"--kv-canary-inject {inject.kind} without --kv-canary-token-check",
-                   "that fault is found by the token check", "add --kv-canary-token-check")
+    if (inject is not None and (inject.on_draft or inject.kind in VERIFY_KINDS)
+            and not speculative.is_speculative(a)):
+        refuse(("--kv-canary-inject-group DRAFT" if inject.group == "DRAFT" else
+                f"--kv-canary-inject {inject.kind}") + " without --speculative-algorithm",
+               "there is no draft model" if inject.group == "DRAFT" else
+               "that fault is planted in speculative decoding",
+               "add --speculative-algorithm EAGLE3 (or EAGLE)")
+    if inject is not None and inject.kind in VERIFY_KINDS and not config.token_check:
+        refuse(f"--kv-canary-inject {inject.kind} without --kv-canary-token-check",
+               "that fault is found by the token check", "add --kv-canary-token-check")
     return out
 
 

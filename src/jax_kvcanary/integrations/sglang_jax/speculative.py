@@ -180,36 +180,36 @@ def _unseen(name: str):
     return refuse
 
 
+def first_positions(positions, batch_size: int) -> np.ndarray:
+    """Each batch row's first verified position ``P`` (its verify's first entry, whose token is
+    the one committed last round), from a verify's ``positions`` as it leaves them: gathered in
+    accept order, ``num_steps + 1`` per row, the first always accepted."""
+    pos = np.asarray(positions, np.int64).reshape(-1)
+    return pos[::max(pos.shape[0] // max(batch_size, 1), 1)][:batch_size]
+
+
 def verified_cells(req_pool_indices, positions, next_token_ids, accept_lens,
                    draft_tokens: int) -> np.ndarray:
     """The ``tokens.TokenMirror`` cells of a verify's result (``[3, n]``: pool row + 1,
-    position, token): each live row's committed tokens after its first verified position, then
-    ``draft_tokens`` unknown positions after the last (the draft tokens its next verify writes).
+    position, token): each live row's committed tokens, at the positions after its first
+    verified one (``TokenMirror.commit`` makes the positions after them unknown).
 
     Args:
       req_pool_indices: ``[B]``, the batch rows' request pool rows (-1: padding).
-      positions: ``[B * W]``, the verify entries' positions gathered in accept order
-        (``W = num_steps + 1``); each row's first is its first verified position ``P``.
+      positions: the verify's ``positions`` as it leaves them (``first_positions``).
       next_token_ids: ``[B * draft_tokens]``, the target's token after each verify entry; row
         ``r`` commits its first ``accept_lens[r]`` at positions ``P + 1, ...``.
       accept_lens: ``[B]``, tokens committed per row (the accepted draft tokens and one more).
     """
-    rp = np.asarray(req_pool_indices, np.int64).reshape(-1)
     acc = np.asarray(accept_lens, np.int64).reshape(-1)
-    ids = np.asarray(next_token_ids, np.int64).reshape(-1)
-    pos = np.asarray(positions, np.int64).reshape(-1)
-    n = min(rp.shape[0], acc.shape[0], ids.shape[0] // draft_tokens)
-    width = pos.shape[0] // max(acc.shape[0], 1)
-    live = (rp[:n] >= 0) & (acc[:n] > 0)
-    first = pos[:n * width].reshape(n, width)[:, 0] if width else np.zeros(n, np.int64)
-    j = np.arange(2 * draft_tokens)
-    kept = j[None, :] < acc[:n, None]                 # committed, then unknown
-    cols = first[:, None] + 1 + j[None, :]
-    tokens = np.where(kept, ids[:n * draft_tokens].reshape(n, draft_tokens)[
-        :, np.minimum(j, draft_tokens - 1)], -1)
-    take = live[:, None] & (j[None, :] < acc[:n, None] + draft_tokens)
-    rows = np.broadcast_to(rp[:n, None] + 1, take.shape)
-    return np.stack([rows[take], cols[take], tokens[take]])
+    rp = np.asarray(req_pool_indices, np.int64).reshape(-1)[:acc.shape[0]]
+    ids = np.asarray(next_token_ids, np.int64).reshape(-1)[:acc.shape[0] * draft_tokens]
+    ids = ids.reshape(acc.shape[0], draft_tokens)   # (sampling leaves one more at the end)
+    j = np.arange(draft_tokens)
+    take = (rp >= 0)[:, None] & (j[None, :] < acc[:, None])
+    cols = first_positions(positions, acc.shape[0])[:, None] + 1 + j[None, :]
+    rows = np.broadcast_to(rp[:, None] + 1, take.shape)
+    return np.stack([rows[take], cols[take], ids[take]])
 
 
 def record_verified_tokens(scheduler, canary: SglangJaxCanary) -> None:

@@ -163,7 +163,7 @@ class TokenMirror:
                 pos = np.arange(start, end, dtype=np.int64)
                 cells.append(np.stack([np.full_like(pos, rp + 1), pos,
                                        np.asarray(fill[start:end], np.int64)]))
-            cells.append(_unknown(rp + 1, end, self.lookahead))
+            cells.append(self._unknown_after(rp + 1, end))
         return self._chunks(np.concatenate(cells, axis=1) if cells else np.zeros((3, 0), np.int64))
 
     def _chunks(self, cells: np.ndarray) -> list:
@@ -197,13 +197,17 @@ class TokenMirror:
         self.pool = self._record(self.pool, req_pool_indices, seq_lens, next_token_ids)
 
     def commit(self, cells: np.ndarray) -> None:
-        """Store host ``cells`` (``[3, n]``: pool row + 1, position, token; -1 = unknown) at
-        once (a speculative verify's accepted tokens, known on the host once it has run)."""
+        """Store host ``cells`` (``[3, n]``: pool row + 1, position, token) at once, each row's
+        ``lookahead`` positions after its last cell unknown (a speculative verify's committed
+        tokens, known on the host once it has run)."""
+        rows = np.unique(cells[0])
+        ends = [cells[1][cells[0] == row].max() + 1 for row in rows]
+        cells = np.concatenate([cells] + [self._unknown_after(row, end)
+                                          for row, end in zip(rows, ends)], axis=1)
         for chunk in self._chunks(cells):
             self.pool = self._apply(self.pool, chunk)
 
-
-def _unknown(row: int, start: int, n: int) -> np.ndarray:
-    """Cells making positions ``[start, start + n)`` of pool row ``row`` unknown."""
-    pos = np.arange(start, start + n, dtype=np.int64)
-    return np.stack([np.full_like(pos, row), pos, np.full_like(pos, UNKNOWN)])
+    def _unknown_after(self, row: int, end: int) -> np.ndarray:
+        """Cells making ``lookahead`` positions of pool row ``row`` from ``end`` unknown."""
+        pos = np.arange(end, end + self.lookahead, dtype=np.int64)
+        return np.stack([np.full_like(pos, row), pos, np.full_like(pos, UNKNOWN)])
