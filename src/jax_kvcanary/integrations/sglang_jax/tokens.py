@@ -163,7 +163,8 @@ class TokenMirror:
                 pos = np.arange(start, end, dtype=np.int64)
                 cells.append(np.stack([np.full_like(pos, rp + 1), pos,
                                        np.asarray(fill[start:end], np.int64)]))
-            cells.append(self._unknown_after(rp + 1, end))
+            if self.lookahead:
+                cells.append(self._unknown_after(rp + 1, end))
         return self._chunks(np.concatenate(cells, axis=1) if cells else np.zeros((3, 0), np.int64))
 
     def _chunks(self, cells: np.ndarray) -> list:
