@@ -128,21 +128,24 @@ DRAFT_REPORT = re.compile(r"draft model: kv_canary violation: launch_tag=(\S+) "
 
 @pytest.mark.parametrize("kind, group, reasons", [
     ("real_kv_used", ["--kv-canary-inject-group", "DRAFT"], {"verify_real_kv_hash"}),
+    ("req_to_token_swap", ["--kv-canary-inject-group", "DRAFT"], {"verify_position"}),
     ("spec_rejected_foreign_write", [], {"verify_position", "verify_chain_hash"}),
     pytest.param("draft_pool_short", [], {"index_out_of_range"}, marks=pytest.mark.slow),
 ])
-def test_eagle3_fault_in_the_draft_kv_is_reported_by_the_draft_canary_and_served_on(
+def test_eagle3_fault_in_the_draft_kv_is_reported_by_the_draft_canary_and_its_request_aborted(
         models, tmp_path, plain, kind, group, reasons):
     """A fault in the draft model's pool from its 6th step on: a byte of its KV flipped (a slot of
-    the first request's prompt), a rejected draft token's KV written into another request's
+    the first request's prompt), two pages of its page table swapped, a rejected draft token's KV written into another request's
     prefix slot (#1063), a page read past the draft pool (#1066). The draft canary reports it at
-    that step; the target's canary stays silent, and in abort mode nothing is aborted: the
-    target's verify decides every token, so the answers are the target's own."""
+    that step or the next, the target's canary stays silent, and every request the draft's rows
+    name is aborted with the draft's message before it answers (mode abort); the others answer the
+    target's own tokens, and the next request finishes normally."""
     with server(models, tmp_path, "--kv-canary", "abort", "--kv-canary-inject", kind, *group,
                 "--kv-canary-inject-step", "6", *spec_args("EAGLE3", models[1]), name=kind,
                 env=NOT_FUSED) as srv:
         got = replies(srv, batches=1)
         injected = srv.injected()
+        later = srv.generate(PROMPTS[0], 12)
         log = srv.log()
     assert injected is not None and injected[0] == kind, log[-3000:]
     draft = DRAFT_REPORT.findall(log)
@@ -150,8 +153,13 @@ def test_eagle3_fault_in_the_draft_kv_is_reported_by_the_draft_canary_and_served
     pumped = [p for _, _, _, p in srv.reports()]
     assert min(pumped) <= injected[1] + 1, (injected, pumped)
     assert len(draft) == len(srv.reports()), "the target's canary reported a row"
-    assert ids(got) == plain[:len(got)], log[-3000:]
-    assert {r["meta_info"]["finish_reason"]["type"] for r in got} == {"length"}
+    finish = [r["meta_info"]["finish_reason"] for r in got]
+    aborted = [f["message"] for f in finish if f["type"] == "abort"]
+    assert aborted and all(m.startswith("kv-canary: request aborted: its draft model's KV slot")
+                           for m in aborted), (finish, log[-3000:])
+    assert all(r["output_ids"] == want for r, f, want in zip(got, finish, plain)
+               if f["type"] == "length"), log[-3000:]
+    assert later["meta_info"]["finish_reason"]["type"] == "length", later
 
 
 @pytest.mark.slow

@@ -239,20 +239,24 @@ def test_a_verify_s_rows_name_the_request_that_wrote_or_read_the_slot():
     assert named == {1: [0], 0: [1]}, named
 
 
-def test_a_draft_step_records_each_token_at_the_kv_position_it_is_written_to():
+def draft_decode_arrays():
     """A draft model's DECODE step as sglang-jax runs it: its batch arrays are placeholders, the fa
     metadata has one new token per row (padding rows too), and the draft's input positions are
     one past the KV position the kernel writes (KV position 9 of request 0 gets position 10)."""
+    pages = np.array([11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 31, 32, 33, 34, 0, 0], np.int32)
+    return dict(req_pool_indices=np.array([4, 1, -1, -1], np.int32),
+                seq_lens=np.array([10, 4, 0, 0], np.int32),
+                cu_q_lens=np.array([0, 1, 2, 3, 4], np.int32),
+                cu_kv_lens=np.array([0, 10, 14, 14, 14], np.int32), page_indices=pages,
+                cache_loc=None, extend_prefix_lens=None, extend_seq_lens=None,
+                input_ids=np.array([7, 8, 0, 0], np.int32),
+                positions=np.array([10, 4, 1, 1], np.int32), out_cache_loc=None)
+
+
+def test_a_draft_step_records_each_token_at_the_kv_position_it_is_written_to():
     import jax
 
-    pages = np.array([11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 31, 32, 33, 34, 0, 0], np.int32)
-    arrays = dict(req_pool_indices=np.array([4, 1, -1, -1], np.int32),
-                  seq_lens=np.array([10, 4, 0, 0], np.int32),
-                  cu_q_lens=np.array([0, 1, 2, 3, 4], np.int32),
-                  cu_kv_lens=np.array([0, 10, 14, 14, 14], np.int32), page_indices=pages,
-                  cache_loc=None, extend_prefix_lens=None, extend_seq_lens=None,
-                  input_ids=np.array([7, 8, 0, 0], np.int32),
-                  positions=np.array([10, 4, 1, 1], np.int32), out_cache_loc=None)
+    arrays = draft_decode_arrays()
     mesh = jax.make_mesh((1,), ("data",))
     dev = {k: None if v is None else jnp.asarray(v) for k, v in arrays.items()}
     b = layout.page_table_batch(dev, decode=False, page_size=1, aligned=True, mesh=mesh,
@@ -263,6 +267,19 @@ def test_a_draft_step_records_each_token_at_the_kv_position_it_is_written_to():
     assert b.positions.tolist()[:2] == [9, 3]
     target = layout.page_table_batch(dev, decode=False, page_size=1, aligned=True, mesh=mesh)
     assert target.positions.tolist() == [10, 4, 1, 1]          # the input positions otherwise
+
+
+def test_a_draft_step_s_write_row_names_the_request_that_wrote_at_that_kv_position():
+    """The draft canary's rows hold KV positions: a write row on request 1's new token (slot 34,
+    KV position 3; input position 4) names batch row 1 when read as the draft's, and no row
+    when read with input positions (as the target's would be)."""
+    from jax_kvcanary.consts import FailReason, LaunchTag
+    rows = np.zeros((1, 8), np.int64)
+    rows[0, :3] = (int(LaunchTag.HEAD_K_FULL), 34, 3)
+    rows[0, 7] = int(FailReason.WRITE_TOKEN_MISMATCH)
+    kw = dict(decode=False, page_size=1, aligned=True)
+    assert named_batch_rows(rows, draft_decode_arrays(), kv_positions=True, **kw) == {1: [0]}
+    assert named_batch_rows(rows, draft_decode_arrays(), **kw) == {}
 
 
 def draft_extend_batch(pages):
@@ -288,14 +305,16 @@ def draft_extend_batch(pages):
     ("spec_rejected_foreign_write", {8: 32}),
     # row 0's first page (table index 0) now past the draft pool of 64 slots
     ("draft_pool_short", {0: 64}),
+    # aimed at the draft (--kv-canary-inject-group DRAFT): row 0's first two pages swapped
+    ("req_to_token_swap", {0: 12, 1: 11}),
 ])
-def test_a_draft_fault_moves_one_entry_of_the_draft_step_s_page_table(kind, moved):
+def test_a_draft_fault_changes_the_draft_step_s_page_table(kind, moved):
     from jax_kvcanary.integrations.sglang_jax.inject import FaultInjector
 
     pages = np.array([11, 12, 13, 14, 15, 16, 17, 18, 19, 31, 32, 33, 34, 35, 36, 0], np.int32)
     canary = types.SimpleNamespace(config=LOG, draft=True, steps=6, num_slots=64,
                                    layout=types.SimpleNamespace(page_size=1, groups=("FULL",)))
-    injector = FaultInjector(InjectSpec(kind, step=6), canary, scheduler=None)
+    injector = FaultInjector(InjectSpec(kind, step=6, group="DRAFT"), canary, scheduler=None)
     fb = draft_extend_batch(pages)
     injector.before_step(fb)
     want = pages.copy()

@@ -646,9 +646,15 @@ class SglangJaxCanary:
         if it holds rows, hand new rows to the ``violation_hooks``, then call the ``gate_hooks``
         with ``(batch, step)``. Returns the launch's monitor step, or None when no launch of
         the canary had that batch id (nothing to wait for)."""
+        step = None if bid is None else self._bid_steps.get(int(bid))
+        return None if step is None else self.gate_through(batch, step)
+
+    def gate_through(self, batch, step: int) -> Optional[int]:
+        """``gate`` for the launches up to monitor step ``step`` (e.g. ``monitor.steps``, the
+        last one: an EAGLE draft model's steps, all launched by the batch's own
+        ``run_batch``); returns ``step``, or None while the canary warms up."""
         with self._monitor_lock:
-            step = None if bid is None else self._bid_steps.get(int(bid))
-            if step is None or self.warming:
+            if self.warming:
                 return None
             new = self.monitor.flush_through(step)
             new += self._recycle_ring()
@@ -792,7 +798,7 @@ def install_into_scheduler(scheduler, config: CanaryConfig, **kw) -> Optional[Sg
     for name in ("event_loop_normal", "event_loop_overlap"):
         loop = getattr(scheduler, name, None)
         if loop is not None:
-            setattr(scheduler, name, _reporting_before_errors(loop, canary))
+            setattr(scheduler, name, reporting_before_errors(loop, canary))
     gate_before_results(scheduler, canary)
     worker = scheduler.tp_worker
     forward_batch_generation = worker.forward_batch_generation
@@ -805,7 +811,7 @@ def install_into_scheduler(scheduler, config: CanaryConfig, **kw) -> Optional[Sg
     return canary
 
 
-def _reporting_before_errors(loop, canary: SglangJaxCanary):
+def reporting_before_errors(loop, canary: SglangJaxCanary):
     """The scheduler's event loop ``loop``, reporting the canary's last steps when the engine's
     own error ends it (the canary's errors, mode ``raise`` and a failed health check, come with
     their report already)."""

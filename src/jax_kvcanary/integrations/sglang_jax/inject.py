@@ -72,11 +72,14 @@ own structures once, at the first batch from the ``N``-th on that has a target, 
   other position's sliding-window KV; ``verify_position`` + ``verify_chain_hash`` at HEAD and TAIL
   of the SWA group. Put back at the next step too.
 
-``--kv-canary-inject-group DRAFT`` (EAGLE / EAGLE3) aims ``real_kv_used`` at the draft model's
-pool: byte 0 of the draft's layer-0 KV of batch row 0's position 0 flipped before a draft step
-(step = the draft canary's step count): ``verify_real_kv_hash`` at ``TAIL_K_FULL`` in the draft
-canary's report (``draft model:``), the target's KV intact. Two kinds always aim there, each
-changing one entry of a draft step's page table (the ``fa`` metadata its kernel reads):
+``--kv-canary-inject-group DRAFT`` (EAGLE / EAGLE3) aims two kinds at the draft model's pool,
+before a draft step (step = the draft canary's step count), the target's KV and ``req_to_token``
+intact: ``real_kv_used`` flips byte 0 of the draft's layer-0 KV of batch row 0's position 0
+(``verify_real_kv_hash`` at ``TAIL_K_FULL`` in the draft canary's report, ``draft model:``);
+``req_to_token_swap`` swaps batch row 0's first two pages in the draft step's page table (the
+draft's view of ``req_to_token``: the ``fa`` metadata its kernel reads), so the draft reads its
+positions 0 and one page on crosswise (``verify_position`` + ``verify_chain_hash`` at HEAD and
+TAIL). Two kinds always aim there, each changing one entry of a draft step's page table:
 
 - ``draft_pool_short``: batch row 0's first page pointed past the end of the draft pool (the class
   of sglang-jax #1066, a draft pool smaller than the slot range the target hands out): the step
@@ -150,7 +153,7 @@ GROUPS = ("FULL", "SWA", "DRAFT")
 #: kinds that cannot be aimed at the SWA group
 NOT_ON_SWA = ("real_kv_unused_cache",) + HICACHE_KINDS + PD_KINDS + DRAFT_KINDS + VERIFY_KINDS
 #: kinds that can be aimed at an EAGLE draft model's pool
-ON_DRAFT = ("real_kv_used",) + DRAFT_KINDS
+ON_DRAFT = ("real_kv_used", "req_to_token_swap") + DRAFT_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +307,8 @@ class FaultInjector:
     def before_launch(self, batch) -> None:
         """Scheduler-side kinds, before ``batch`` is launched (its page table not yet built)."""
         step = self.canary.launches
-        if self.done or self.spec.kind not in SCHEDULER_KINDS or step < self.spec.step:
+        if (self.done or self.spec.kind not in SCHEDULER_KINDS or self.spec.on_draft
+                or step < self.spec.step):
             return
         if self._queued_slot is not None:
             return
@@ -368,7 +372,8 @@ class FaultInjector:
         if self.spec.kind in SWA_KINDS and step >= self.spec.step:
             self._plant_in_swa_map(step, forward_batch)
             return
-        if self.spec.kind in DRAFT_KINDS and step >= self.spec.step:
+        if ((self.spec.kind in DRAFT_KINDS or self.spec.kind == "req_to_token_swap")
+                and self.spec.on_draft and step >= self.spec.step):
             self._plant_in_draft_pages(step, forward_batch)
             return
         if self.spec.kind not in FORWARD_KINDS or step < self.spec.step:
@@ -429,18 +434,27 @@ class FaultInjector:
                             f"row {rows[other[0]]}); it was {was}")
 
     def _plant_in_draft_pages(self, step: int, fb) -> None:
-        """``draft_pool_short`` / ``spec_rejected_foreign_write``: one entry of the draft step's
-        page table (its ``fa`` metadata, which the kernel and the canary read) changed."""
+        """``draft_pool_short`` / ``spec_rejected_foreign_write`` / ``req_to_token_swap``: one
+        or two entries of the draft step's page table (its ``fa`` metadata, which the kernel and
+        the canary read) changed."""
         md = fb.attn_backend.forward_metadata
         host = lambda a: np.asarray(a).astype(np.int64)
         live, seq, prefix, _ = batch_lengths(step_arrays(fb, from_attention=True), decode=False,
                                              get=host, xp=np)
         starts, pages = host(md.cu_kv_lens)[:-1], np.array(md.page_indices)
-        if self.spec.kind == "draft_pool_short":
+        ps = self.canary.layout.page_size
+        if self.spec.kind == "req_to_token_swap":
+            if not live[0] or prefix[0] < 2 * ps:
+                return                                    # batch row 0 reads < 2 prefix pages
+            at = int(starts[0]) // ps
+            pages[[at, at + 1]] = pages[[at + 1, at]]
+            what = (f"batch row 0's pages {pages[at + 1]} and {pages[at]} (its positions 0 and "
+                    f"{ps}) swapped in the draft step's page table")
+        elif self.spec.kind == "draft_pool_short":
             if not live[0] or prefix[0] < 1:
                 return                                    # batch row 0 reads no prefix here
-            past = -(-self.canary.num_slots // self.canary.layout.page_size)
-            at = int(starts[0]) // self.canary.layout.page_size
+            past = -(-self.canary.num_slots // ps)
+            at = int(starts[0]) // ps
             was, pages[at] = int(pages[at]), past
             what = (f"batch row 0's first page {was} pointed at page {past}, past the draft "
                     f"pool's {self.canary.num_slots} slots")

@@ -40,7 +40,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from ...consts import FailReason, IndexKind, LaunchTag
-from .layout import batch_lengths, row_starts, token_table, written_slots
+from .layout import batch_lengths, entry_rows, row_starts, token_table, written_slots
 
 #: how many named slots one abort message lists
 MESSAGE_SLOTS = 4
@@ -124,7 +124,8 @@ def read_at(row: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 
 def named_batch_rows(rows: np.ndarray, arrays: dict, *, decode: bool, page_size: int,
-                     aligned: bool, swa_window: int = 0) -> Dict[int, List[int]]:
+                     aligned: bool, swa_window: int = 0,
+                     kv_positions: bool = False) -> Dict[int, List[int]]:
     """The batch rows a launch's ring rows name: ``{batch row: [indices into rows]}``; a row
     that names no batch row (a sweep row, or one whose slot no entry of the step has) is left out.
     A write row names the batch row whose entry wrote its slot with its position; a verify row
@@ -138,6 +139,8 @@ def named_batch_rows(rows: np.ndarray, arrays: dict, *, decode: bool, page_size:
       decode, page_size, aligned: as the launch planned them (``layout.page_table_batch``).
       swa_window: with a hybrid SWA pool (``arrays["swa_lut"]``), the window the SWA group
         verifies: its rows name SWA slots read in the last ``swa_window`` positions.
+      kv_positions: the launch recorded each new token at the KV position it is written to (an
+        EAGLE draft model's: ``layout.page_table_batch``), not at its input position.
     """
     host = lambda a: np.asarray(a).astype(np.int64)
     get = lambda k: None if arrays.get(k) is None else host(arrays[k])
@@ -147,7 +150,11 @@ def named_batch_rows(rows: np.ndarray, arrays: dict, *, decode: bool, page_size:
     starts = np.asarray(row_starts(arrays, seq, page_size, aligned, host)).astype(np.int64)
     out = written_slots(arrays, loc, starts, live, prefix, host, np)
     pos = get("positions")
-    entry_row = np.repeat(np.arange(rp.shape[0]), ext)[:out.shape[0]]
+    if arrays.get("cu_q_lens") is not None:          # each token's row and KV position
+        entry_row, at, _ = entry_rows(arrays, live, prefix, host, np)
+        pos = at if kv_positions else pos
+    else:
+        entry_row = np.repeat(np.arange(rp.shape[0]), ext)[:out.shape[0]]
     out, pos = out[:entry_row.shape[0]], pos[:entry_row.shape[0]]
     group_slots = {False: (out, loc)}                # per group: written slots, page table
     if lut is not None:                               # the SWA group's rows name SWA slots
@@ -225,11 +232,12 @@ def sglang_finish_abort(message: str):
     return FINISH_ABORT(message, None, "KVCanaryViolation")
 
 
-def describe(violations: Sequence) -> str:
-    """``KV slot(s) 1, 2 ... failed the KV-cache canary (TAG reasons)`` for an abort message."""
+def describe(violations: Sequence, pool: str = "") -> str:
+    """``KV slot(s) 1, 2 ... failed the KV-cache canary (TAG reasons)`` for an abort message
+    (``pool``: whose KV, e.g. ``draft model's ``)."""
     slots = sorted({int(v.slot) for v in violations})
     first = violations[0]
-    return "KV slot(s) {} failed the KV-cache canary ({} {})".format(
+    return pool + "KV slot(s) {} failed the KV-cache canary ({} {})".format(
         ", ".join(map(str, slots[:MESSAGE_SLOTS]))
         + (f" and {len(slots) - MESSAGE_SLOTS} more" if len(slots) > MESSAGE_SLOTS else ""),
         first.tag_name, "+".join(first.reasons))
@@ -265,6 +273,7 @@ class RequestGuard:
         self._rows: List = []                      # violations not yet acted on
         self._lost_seen = 0                        # Monitor.lost_steps already acted on
         self._named_rids = set()                   # mode log: rids already named
+        self._pool = "draft model's " if getattr(canary, "draft", False) else ""
         self._lock = threading.Lock()
 
     def on_violations(self, violations: Sequence) -> None:
@@ -291,7 +300,7 @@ class RequestGuard:
                     self.quarantined.setdefault(int(v.slot),
                                                 f"{v.tag_name} {'+'.join(v.reasons)}")
         for req, first, vs in self._named(due, by_rp):
-            self._act(req, first, describe(vs))
+            self._act(req, first, describe(vs, self._pool))
         for s in lost:
             record = self.canary.records.get(s)
             rps = [] if record is None else np.asarray(record.arrays["req_pool_indices"]).tolist()
@@ -313,7 +322,7 @@ class RequestGuard:
                 self.named.append(req.rid)
                 self.logger.warning("kv-canary: request rid=%s read KV that failed the canary at "
                                     "step %d: its %s; the engine's own error ends the server "
-                                    "before it answers", req.rid, first, describe(vs))
+                                    "before it answers", req.rid, first, describe(vs, self._pool))
 
     def _named(self, due: list, by_rp: dict) -> list:
         """``(request, first launch step, [violations])`` of each request the rows ``due`` name
@@ -334,7 +343,8 @@ class RequestGuard:
             hits = named_batch_rows(np.stack([v.row for v in rows]), record.arrays,
                                     decode=record.decode, page_size=layout.page_size,
                                     aligned=layout.aligned_segments,
-                                    swa_window=layout.swa_window)
+                                    swa_window=layout.swa_window,
+                                    kv_positions=getattr(self.canary, "draft", False))
             rps = np.asarray(record.arrays["req_pool_indices"]).tolist()
             for r, ks in hits.items():
                 req = by_rp.get(int(rps[r]))

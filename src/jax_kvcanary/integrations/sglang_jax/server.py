@@ -229,10 +229,12 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
             scheduler, config, logger=logger, episodes=True, metrics=metrics,
             protected_tokens=functools.partial(protected_tokens,
                                                scheduler.token_to_kv_pool_allocator))
-        if guard.abort or config.mode == "log":
-            install_request_guard(scheduler, canary, logger, abort=guard.abort)
         spec = speculative.is_speculative(scheduler.server_args)
         draft = speculative.install_draft_canary(scheduler, config, logger) if spec else None
+        if guard.abort or config.mode == "log":
+            for c in (canary, draft):
+                if c is not None:
+                    install_request_guard(scheduler, c, logger, abort=guard.abort)
         if spec:                 # before an injector changes what a verify returns
             speculative.record_verified_tokens(scheduler, canary)
         if inject is not None:

@@ -17,8 +17,12 @@ and its records hold the KV position each token is written to: sglang-jax's draf
 position ``p`` at KV position ``p`` in its prefill and ``p + 1`` at ``p`` in its DECODE and
 DRAFT_EXTEND steps, and a DRAFT_EXTEND writes every draft token's entry of a request, the
 rejected ones too (they are written again before a committed read). Its reports are prefixed
-``draft model:``; in abort mode they are logged only (the target's verify decides every token
-served: a fault in the draft's KV lowers the acceptance rate, not the answers).
+``draft model:``. Its gate runs before each batch's results are processed, as the target's
+(``gate_draft_before_results``), and the requests its rows name are aborted in mode abort
+(named in mode log) like the target's: the target's verify decides every token served, so a
+fault in the draft's KV alone lowers the acceptance rate, not the answer; but it is the engine's
+KV bookkeeping failing on that request's slots (which the draft shares with the target), and the
+canary serves no request past a failed check.
 
 With the write-input assert and the token check (``tokens``), the target's intended tokens are
 its prompt, its sampled first token and, after each verify, the tokens the verify committed
@@ -45,7 +49,7 @@ import numpy as np
 
 from ...runtime.config import CanaryConfig
 from ...runtime.errors import CanaryHealthError
-from .canary import SglangJaxCanary, install
+from .canary import SglangJaxCanary, install, reporting_before_errors
 
 #: the algorithms whose non-fused path the canary guards
 GUARDED_ALGORITHMS = ("EAGLE", "EAGLE3")
@@ -139,8 +143,30 @@ def install_draft_canary(scheduler, config: CanaryConfig,
     uses the target's slot ids), reporting through ``logger`` with ``DRAFT_PREFIX``; without the
     write-input assert and the token check."""
     config = dataclasses.replace(config, write_input_assert=False, token_check=False)
-    return install(draft_runner(scheduler), config, tree_cache=getattr(scheduler, "tree_cache", None),
-                   logger=_Prefixed(logger, {"prefix": DRAFT_PREFIX}), episodes=True, draft=True)
+    draft = install(draft_runner(scheduler), config,
+                    tree_cache=getattr(scheduler, "tree_cache", None),
+                    logger=_Prefixed(logger, {"prefix": DRAFT_PREFIX}), episodes=True, draft=True)
+    gate_draft_before_results(scheduler, draft)
+    return draft
+
+
+def gate_draft_before_results(scheduler, draft: SglangJaxCanary) -> None:
+    """Run the draft canary's gate (``SglangJaxCanary.gate_through`` its last step) before each
+    batch's results are processed, as the target's: a speculative batch's ``run_batch`` has
+    launched every draft step of that batch (the overlap scheduler is refused), so no request
+    answers before the draft steps it took part in are checked (and a ``RequestGuard`` on the
+    draft canary has acted on them)."""
+    process = scheduler.process_batch_result
+
+    def process_batch_result_with_draft_canary(batch, result, *args, **kwargs):
+        draft.gate_through(batch, draft.monitor.steps)
+        return process(batch, result, *args, **kwargs)
+
+    scheduler.process_batch_result = process_batch_result_with_draft_canary
+    loop = getattr(scheduler, "event_loop_normal", None)
+    if loop is not None:                 # the engine's own error: the draft's last steps too
+        scheduler.event_loop_normal = reporting_before_errors(loop, draft)
+    draft.gated = True
 
 
 def guard_spec_worker(scheduler, canary, draft: Optional[SglangJaxCanary] = None) -> None:
