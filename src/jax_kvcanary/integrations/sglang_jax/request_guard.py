@@ -371,8 +371,10 @@ class RequestGuard:
                 self._named_rids.add(req.rid)
                 self.named.append(req.rid)
                 self.logger.warning("kv-canary: request rid=%s read KV that failed the canary at "
-                                    "step %d%s: its %s; its answer may be wrong", req.rid, step,
-                                    side, what)
+                                    "step %d%s: its %s; %s", req.rid, step, side, what,
+                                    "the target's verify decided its tokens, but the engine's KV "
+                                    "bookkeeping failed on its slots" if self._pool else
+                                    "its answer may be wrong")
             return
         if req.to_finish is not None or req.finished():
             return
