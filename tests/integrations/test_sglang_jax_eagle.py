@@ -145,8 +145,9 @@ DRAFT_REPORT = re.compile(r"draft model: kv_canary violation: launch_tag=(\S+) "
 def test_eagle3_fault_in_the_draft_kv_is_reported_by_the_draft_canary_and_its_request_aborted(
         models, tmp_path, plain, kind, group, reasons):
     """A fault in the draft model's pool from its 6th step on: a byte of its KV flipped (a slot of
-    the first request's prompt), two pages of its page table swapped, a rejected draft token's KV written into another request's
-    prefix slot (#1063), a page read past the draft pool (#1066). The draft canary reports it at
+    the first request's prompt), two pages of its page table swapped, a rejected draft token's
+    KV written into another request's prefix slot (#1063), a page read past the draft pool
+    (#1066). The draft canary reports it at
     that step or the next, the target's canary stays silent, and every request the draft's rows
     name is aborted with the draft's message before it answers (mode abort); the others answer the
     target's own tokens, and the next request finishes normally."""

@@ -154,6 +154,8 @@ GROUPS = ("FULL", "SWA", "DRAFT")
 NOT_ON_SWA = ("real_kv_unused_cache",) + HICACHE_KINDS + PD_KINDS + DRAFT_KINDS + VERIFY_KINDS
 #: kinds that can be aimed at an EAGLE draft model's pool
 ON_DRAFT = ("real_kv_used", "req_to_token_swap") + DRAFT_KINDS
+#: kinds that change a draft step's page table there (``_plant_in_draft_pages``)
+DRAFT_PAGE_KINDS = ("req_to_token_swap",) + DRAFT_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,8 +309,7 @@ class FaultInjector:
     def before_launch(self, batch) -> None:
         """Scheduler-side kinds, before ``batch`` is launched (its page table not yet built)."""
         step = self.canary.launches
-        if (self.done or self.spec.kind not in SCHEDULER_KINDS or self.spec.on_draft
-                or step < self.spec.step):
+        if self.done or self.spec.kind not in SCHEDULER_KINDS or step < self.spec.step:
             return
         if self._queued_slot is not None:
             return
@@ -372,8 +373,7 @@ class FaultInjector:
         if self.spec.kind in SWA_KINDS and step >= self.spec.step:
             self._plant_in_swa_map(step, forward_batch)
             return
-        if ((self.spec.kind in DRAFT_KINDS or self.spec.kind == "req_to_token_swap")
-                and self.spec.on_draft and step >= self.spec.step):
+        if self.spec.on_draft and self.spec.kind in DRAFT_PAGE_KINDS and step >= self.spec.step:
             self._plant_in_draft_pages(step, forward_batch)
             return
         if self.spec.kind not in FORWARD_KINDS or step < self.spec.step:

@@ -201,14 +201,16 @@ class TokenMirror:
         """Store host ``cells`` (``[3, n]``: pool row + 1, position, token) at once, each row's
         ``lookahead`` positions after its last cell unknown (a speculative verify's committed
         tokens, known on the host once it has run)."""
-        rows = np.unique(cells[0])
-        ends = [cells[1][cells[0] == row].max() + 1 for row in rows]
-        cells = np.concatenate([cells] + [self._unknown_after(row, end)
-                                          for row, end in zip(rows, ends)], axis=1)
+        rows, at = np.unique(cells[0], return_inverse=True)
+        ends = np.zeros(rows.shape, np.int64)
+        np.maximum.at(ends, at, cells[1] + 1)
+        cells = np.concatenate([cells, self._unknown_after(rows, ends)], axis=1)
         for chunk in self._chunks(cells):
             self.pool = self._apply(self.pool, chunk)
 
-    def _unknown_after(self, row: int, end: int) -> np.ndarray:
-        """Cells making ``lookahead`` positions of pool row ``row`` from ``end`` unknown."""
-        pos = np.arange(end, end + self.lookahead, dtype=np.int64)
-        return np.stack([np.full_like(pos, row), pos, np.full_like(pos, UNKNOWN)])
+    def _unknown_after(self, rows, ends) -> np.ndarray:
+        """Cells making ``lookahead`` positions of each pool row ``rows[i]`` from ``ends[i]``
+        unknown (scalars or matching arrays)."""
+        rows, ends = np.atleast_1d(rows).astype(np.int64), np.atleast_1d(ends).astype(np.int64)
+        pos = (ends[:, None] + np.arange(self.lookahead, dtype=np.int64)).reshape(-1)
+        return np.stack([np.repeat(rows, self.lookahead), pos, np.full_like(pos, UNKNOWN)])
