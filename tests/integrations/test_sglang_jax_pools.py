@@ -95,6 +95,18 @@ def test_a_fault_aimed_at_the_swa_group_needs_the_hybrid_swa_pool(tmp_path):
             "group; serve a sliding-window model without --disable-hybrid-swa-memory"]), got
 
 
+def test_data_parallel_attention_is_guarded_with_the_mha_pool_only(tmp_path):
+    for kind, refused in (("qwen2", False), ("gemma2", True)):
+        path = write_model_config(str(tmp_path / kind), kind)
+        server_args = ServerArgs.from_cli(["--model-path", path, "--device", "cpu", "--attention-"
+                                           "backend", "native", "--tp-size", "2", "--dp-size", "2"])
+        got = server.model_refusals(server_args, CanaryConfig(mode="log"))
+        assert got == ([] if not refused else [
+            "kv-canary: --dp-size 2 with the KV pool SWAKVPool is not supported: data-parallel "
+            "attention is guarded with the MHA KV pool; run with --dp-size 1, or run with "
+            "--kv-canary none"]), got
+
+
 def test_a_hybrid_swa_model_with_what_its_guard_lacks_is_refused_before_start(tmp_path):
     """The hybrid SWA pool is guarded with one device and the native backend; the rest is refused
     before anything starts (it once started and ran without the canary)."""

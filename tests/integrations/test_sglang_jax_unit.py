@@ -65,7 +65,10 @@ def test_install_none_installs_nothing_and_bad_runners_are_refused():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(dp_size=2), "supports dp_size=1 only"),
+    (dict(dp_size=2, mesh=types.SimpleNamespace(shape={"data": 1, "tensor": 2})),
+     r"dp_size=2 needs the mesh's data axis of 2 devices"),
+    (dict(dp_size=2, token_to_kv_pool=kv_pool(np.zeros((9, 1, 4, 1, 8)), "MLATokenToKVPool")),
+     "data-parallel attention .dp_size=2. is guarded with the MHA KV pool"),
     (dict(token_to_kv_pool=type("HybridLinearKVPool", (types.SimpleNamespace,), {})(
         full_kv_pool=None)),
      "^kv-canary: the hybrid linear pool is guarded around an MHATokenToKVPool, this one holds "
@@ -167,13 +170,25 @@ def server_args(**kw):
 
 def test_refusals_name_the_setting_and_the_fix():
     from jax_kvcanary.integrations.sglang_jax.inject import InjectSpec
-    from jax_kvcanary.integrations.sglang_jax.server import refusals
+    from jax_kvcanary.integrations.sglang_jax.server import dp_refusals, refusals
 
     log = CanaryConfig(mode="log")
     assert refusals(server_args(), log) == []
     assert refusals(server_args(tp_size=4), log) == []            # tensor parallel: covered
+    assert refusals(server_args(tp_size=4, dp_size=2), log) == []  # data-parallel attention too
+    assert refusals(server_args(tp_size=2, dp_size=2), log, InjectSpec("real_kv_used")) == []
+    got = refusals(server_args(tp_size=2, dp_size=2), log, InjectSpec("cache_loc_off_by_one"))
+    assert got and got[0].startswith("kv-canary: --kv-canary-inject cache_loc_off_by_one with "
+                                     "--dp-size 2 is not supported"), got
+    assert dp_refusals(server_args(dp_size=2, speculative_algorithm="EAGLE3"), log, None)[0][0] \
+        == "--speculative-algorithm EAGLE3"
+    assert dp_refusals(server_args(dp_size=2, disaggregation_mode="decode"), log, None)[0][0] \
+        == "--disaggregation-mode decode"
+    got = refusals(server_args(tp_size=2, dp_size=2), CanaryConfig(mode="log", token_check=True))
+    assert got and "--kv-canary-token-check with --dp-size 2" in got[0], got
     cases = [
-        (dict(dp_size=2), "kv-canary: --dp-size 2 is not supported"),
+        (dict(dp_size=2, tp_size=2, hicache_storage="none"),
+         "kv-canary: --hicache-storage none with --dp-size 2 is not supported"),
         (dict(nnodes=2, tp_size=2), "kv-canary: --nnodes 2 is not supported"),
         (dict(speculative_algorithm="NEXTN"), "kv-canary: --speculative-algorithm NEXTN is not "
                                               "supported: the canary guards EAGLE and EAGLE3"),
@@ -260,11 +275,18 @@ def test_radix_chains_follow_the_tree():
 
     leaf_a, leaf_b = node([7, 8]), node([9])
     root = node([], [node([3, 4, 5], [leaf_a, leaf_b])])
-    chains = kvc_sgl.radix_chains(types.SimpleNamespace(root_node=root))
+    [chains] = kvc_sgl.radix_chains(types.SimpleNamespace(root_node=root))
     got = sorted(map(tuple, chains.tolist()))
     assert got == sorted([(3, 0, -1), (4, 1, 3), (5, 2, 4), (7, 3, 5), (8, 4, 7), (9, 3, 5)])
-    empty = kvc_sgl.radix_chains(types.SimpleNamespace(root_node=node([])))
+    [empty] = kvc_sgl.radix_chains(types.SimpleNamespace(root_node=node([])))
     assert empty.shape == (0, 3)
+    # data-parallel attention: each rank's nodes (their keys' dp_rank) hold rank-local slots
+    rank0, rank1 = node([3, 4], [node([5])]), node([3, 4])
+    for n, r in ((rank0, 0), (rank0.children[0], 0), (rank1, 1)):
+        n.key = types.SimpleNamespace(dp_rank=r)
+    per_rank = kvc_sgl.radix_chains(types.SimpleNamespace(root_node=node([], [rank0, rank1])), 2)
+    assert [sorted(map(tuple, c.tolist())) for c in per_rank] == [
+        [(3, 0, -1), (4, 1, 3), (5, 2, 4)], [(3, 0, -1), (4, 1, 3)]]
 
 
 def test_the_step_path_copies_nothing_to_the_device_and_compiles_once_per_bucket():

@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +127,8 @@ class Monitor:
       episodes: an ``EpisodeLog``: log one report per episode (a fault's rows, counted) instead
         of one per row, and in mode ``'raise'`` raise with the first row's report and a count of
         the others. ``monitor.violations`` keeps every row either way.
+      device_names: with a leading device axis, each device's label on its reports' ``device=``
+        line, after its index (e.g. ``dp_rank=1 (TFRT_CPU_1)``).
 
     Raises:
       ValueError: an unknown ``mode``.
@@ -137,7 +139,8 @@ class Monitor:
 
     def __init__(self, mode: str = "log", *, health_interval: int = 0, expected_tags=(),
                  stats_interval: int = 0, stats_tags=None, logger: Optional[logging.Logger] = None,
-                 episodes: Optional[EpisodeLog] = None, counters_interval: int = 0):
+                 episodes: Optional[EpisodeLog] = None, counters_interval: int = 0,
+                 device_names: Optional[Sequence[str]] = None):
         if mode not in ("log", "raise", "none"):
             raise ValueError(f"kv-canary: Monitor mode must be 'log', 'raise' or 'none', got {mode!r}")
         self.mode = mode
@@ -160,6 +163,7 @@ class Monitor:
         self.rows_lost = 0          # rows the full ring could not keep (counted, never decoded)
         self.lost_steps: List[int] = []   # monitor steps whose launches lost rows, in order
         self.episodes = episodes
+        self.device_names = list(device_names or ())
 
     @classmethod
     def from_config(cls, config: CanaryConfig, **kw) -> "Monitor":
@@ -317,7 +321,9 @@ class Monitor:
                     row = ring[d, i].copy()
                     total = int(base[d] + wi[d])
                     text = format_report(row, total=total, ring_capacity=cap, step=self.steps,
-                                         device=d if multi else None)
+                                         device=d if multi else None,
+                                         device_name=(self.device_names[d]
+                                                      if d < len(self.device_names) else ""))
                     new.append(Violation(row, text, self.steps, i, total, cap, d if multi else None,
                                          snap_step))
         self._set_watermark(np.maximum(self._watermark, np.maximum(wi, 0)))

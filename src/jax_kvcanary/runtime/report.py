@@ -62,8 +62,9 @@ def format_first_line(row: Sequence[int]) -> str:
 
 
 def format_report(row: Sequence[int], *, total: int, ring_capacity: int, step: int,
-                  device: Optional[int] = None) -> str:
+                  device: Optional[int] = None, device_name: str = "") -> str:
     """The full multi-line report of one ring row (7 lines; 8 with ``device``), no trailing newline.
+    ``device_name`` follows the device's index on its line (e.g. its data-parallel rank).
 
     ``total`` is the log's ``write_index``, ``ring_capacity`` its ring size and ``step`` the monitor
     step at which the row was pumped.
@@ -93,7 +94,7 @@ def format_report(row: Sequence[int], *, total: int, ring_capacity: int, step: i
     lines.append(f"  total_violations={int(total)} ring_overflow={int(total) > int(ring_capacity)}"
                  f" step_when_pumped={int(step)}")
     if device is not None:
-        lines.append(f"  device={device}")
+        lines.append(f"  device={device}" + (f" {device_name}" if device_name else ""))
     return "\n".join(lines)
 
 

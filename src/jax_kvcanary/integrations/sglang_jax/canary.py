@@ -21,10 +21,14 @@ the same on the tail canaries with fingerprints of layer 0's real KV bytes as th
 them. (Upstream runs HEAD before the forward; here both run in one launch after it, which checks
 the same records with one dispatch per step instead of two.)
 
-**Tensor parallelism** (``tp > 1``: the fused KV buffer's heads sharded over the mesh's
-``tensor`` axis): the canary state has one block per device of that axis and the launch runs
-under ``jax.shard_map`` (``_per_device``), each device on its own state and its own KV heads, so
-no KV is gathered across devices; the monitor labels each row with its device.
+**Tensor and data parallelism** (``tp > 1``: the fused KV buffer's heads sharded over the mesh's
+``tensor`` axis; ``dp > 1``, data-parallel attention: its slots over the ``data`` axis, one
+section of ``size / dp`` slots and a padding page per rank, addressed by rank-local slot ids):
+the canary state has one block per device of the ``(data, tensor)`` mesh and the launch runs
+under ``jax.shard_map`` (``_per_device``), each device on its own state, its own KV shard (its
+rank's slots, its heads) and its rank's section of the batch arrays (the engine places them
+``P("data")``, equal sections per rank), so no KV is gathered across devices and each rank's
+plan sees rank-local slot ids; the monitor labels each row with its device and ``dp_rank``.
 
 **Intended tokens** (``config.write_input_assert`` / ``config.token_check``, sglang-jax main):
 the runner's ``jitted_sampler`` is wrapped too, and the launch reads the ``tokens.TokenMirror``
@@ -67,7 +71,7 @@ from ...runtime.monitor import Monitor, counter_snapshot
 from ...runtime.multidevice import global_view, local_view
 from ...runtime.sweep import DEFAULT_MIN_CAPACITY, bucket_capacity, build_group_sweep_plans
 from ...state import ViolationLog
-from .request_guard import batch_requests
+from .request_guard import batch_requests, dp_rank_of
 from .layout import (LegacyRunner, page_table_batch, replicated, runner_layout, step_arrays,
                      table_entries)
 from .metrics import COUNTERS_INTERVAL, CanaryTotals, PrometheusCounters
@@ -88,10 +92,12 @@ def intended_tokens(runner, layout, config: CanaryConfig) -> Optional[TokenMirro
     return TokenMirror(rows, cols, runner.mesh)
 
 
-def radix_chains(tree_cache) -> np.ndarray:
-    """``int64[n, 3]`` ``(slot, position, prev_slot)`` of every slot an sglang-jax ``RadixCache``
-    holds (position = depth; prev = the previous slot on the path, -1 at the root)."""
-    out = []
+def radix_chains(tree_cache, dp: int = 1) -> list:
+    """Per data-parallel rank (``dp`` of them; a node's rank is its key's ``dp_rank``), the
+    ``int64[n, 3]`` ``(slot, position, prev_slot)`` of every slot an sglang-jax ``RadixCache``
+    holds for that rank (rank-local slots; position = depth; prev = the previous slot on the
+    path, -1 at the root)."""
+    out = [[] for _ in range(dp)]
     stack = [(tree_cache.root_node, 0, -1)]
     while stack:
         node, depth, prev = stack.pop()
@@ -106,9 +112,9 @@ def radix_chains(tree_cache) -> np.ndarray:
             ch[:, 1] = np.arange(depth, depth + n)
             ch[0, 2] = prev
             ch[1:, 2] = slots[:-1]
-            out.append(ch)
+            out[dp_rank_of(getattr(child, "key", None))].append(ch)
             stack.append((child, depth + n, int(slots[-1])))
-    return np.concatenate(out) if out else np.zeros((0, 3), np.int64)
+    return [np.concatenate(c) if c else np.zeros((0, 3), np.int64) for c in out]
 
 
 #: the groups a sweep of the radix cache checks: its nodes hold their tokens' full-pool slots (a
@@ -118,6 +124,10 @@ SWEPT_GROUPS = ("FULL",)
 
 #: the engine's tensor-parallel mesh axis (sglang-jax shards the fused KV buffer's heads over it)
 TP_AXIS = "tensor"
+#: the engine's data-parallel attention axis (slots and batch sections per rank, ``--dp-size``)
+DP_AXIS = "data"
+#: step arrays that are not per-rank sections of the batch (replicated on every device)
+REPLICATED_ARRAYS = ("token_pool", "swa_lut")
 
 #: elements of the ``cost_hint`` reduction: XLA:CPU runs a program it estimates at fewer than
 #: 1000 flops in the thread that dispatches it, and it cannot cost custom calls
@@ -247,8 +257,9 @@ class SglangJaxCanary:
       draft: the runner is an EAGLE draft model's (``speculative.install_draft_canary``): every
         step is planned from its attention metadata, and records hold KV positions.
 
-    Attributes: ``config``, ``tp`` (devices of the ``tensor`` axis), ``state`` (the
-    ``CanaryState``, donated by every step; ``[tp, ...]`` blocks when ``tp > 1``), ``monitor``
+    Attributes: ``config``, ``tp`` / ``dp`` (devices of the ``tensor`` / ``data`` axis),
+    ``devices`` (``dp * tp``), ``state`` (the ``CanaryState``, donated by every step;
+    ``[devices, ...]`` blocks, rank-major, when ``devices > 1``), ``num_slots`` (per rank), ``monitor``
     (``Monitor``: ``monitor.violations`` holds what was reported), ``steps``, ``sweeps``,
     ``layout`` (the runner adapter).
 
@@ -287,8 +298,10 @@ class SglangJaxCanary:
         self.tree_cache = tree_cache
         self.logger = logger or LOGGER
         self.episodes = bool(episodes)
-        self.num_slots = self.layout.geometry.num_slots
         self.tp = int(dict(runner.mesh.shape).get(TP_AXIS, 1))   # tensor-parallel devices
+        self.dp = self.layout.dp                                 # data-parallel attention ranks
+        self.devices = self.dp * self.tp
+        self.num_slots = self.layout.geometry.num_slots // self.dp   # each rank's, padding incl.
         self._original = None                        # taken by install()
         self._original_sampler = None
         self._step_rows = None                       # the last step's (req_pool_indices, seq_lens)
@@ -332,11 +345,31 @@ class SglangJaxCanary:
         return CanaryEndpoints(self.config, num_slots=self.num_slots, write_req_capacity=rows,
                                verify_capacity=entries, **swa)
 
+    @property
+    def _device_axes(self) -> tuple:
+        """The mesh axes the canary state has a block per device of (rank-major)."""
+        return tuple(a for a, n in ((DP_AXIS, self.dp), (TP_AXIS, self.tp)) if n > 1)
+
     def _state_sharding(self):
-        """Where the canary state lives: replicated over the runner's mesh, or with tensor
-        parallelism one block per device of the ``tensor`` axis (``runtime.multidevice``)."""
-        spec = PartitionSpec(TP_AXIS) if self.tp > 1 else PartitionSpec()
+        """Where the canary state lives: replicated over the runner's mesh, or one block per
+        device of its ``data`` and ``tensor`` axes (``runtime.multidevice``)."""
+        axes = self._device_axes
+        spec = PartitionSpec(axes if len(axes) > 1 else axes[0]) if axes else PartitionSpec()
         return NamedSharding(self.runner.mesh, spec)
+
+    def device_names(self) -> list:
+        """Each canary device's label in reports: its ``dp_rank`` (with data-parallel attention),
+        its tensor-parallel index and the JAX device, in the state's block order."""
+        mesh = self.runner.mesh
+        names, devs = tuple(mesh.axis_names), np.asarray(mesh.devices)
+        if devs.size == self.devices and {DP_AXIS, TP_AXIS} <= set(names):
+            devs = np.moveaxis(devs, (names.index(DP_AXIS), names.index(TP_AXIS)), (0, 1))
+            where = lambda r, t: f"({devs.reshape(self.dp, self.tp)[r, t]})"
+        else:                                       # a mesh of other axes: no device to name
+            where = lambda r, t: ""
+        return [((f"dp_rank={r} " if self.dp > 1 else "") + (f"tensor={t} " if self.tp > 1
+                                                             else "") + where(r, t)).strip()
+                for r in range(self.dp) for t in range(self.tp)]
 
     def reset(self) -> None:
         """Fresh canary state (zero records, empty ring) and a fresh monitor; e.g. after
@@ -345,9 +378,9 @@ class SglangJaxCanary:
         # placed as the launches' outputs are, so that every step of a bucket runs the program
         # compiled for it
         init = self._endpoints(1, 1).init_state()
-        if self.tp > 1:
+        if self.devices > 1:
             init = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x)[None],
-                                                          (self.tp,) + x.shape).copy(), init)
+                                                          (self.devices,) + x.shape).copy(), init)
         self.state = jax.device_put(init, self._state_sharding())
         c = self.config
         # the stats line is the canary's own (``stats``); the monitor decodes the counters for it
@@ -357,6 +390,7 @@ class SglangJaxCanary:
                                expected_tags=[t for t in c.expected_tags() if t not in unswept],
                                logger=self.logger,
                                episodes=EpisodeLog() if self.episodes else None,
+                               device_names=self.device_names() if self.devices > 1 else None,
                                counters_interval=c.stats_interval or (
                                    COUNTERS_INTERVAL if self.metrics is not None else 0))
         self._seen_counters = None
@@ -410,8 +444,7 @@ class SglangJaxCanary:
                 cap = bucket_capacity(self.num_slots)
                 for c in (1 << k for k in range(DEFAULT_MIN_CAPACITY.bit_length() - 1,
                                                 cap.bit_length())):
-                    plans = build_group_sweep_plans(np.zeros((0, 3), np.int64), ("FULL",),
-                                                    min_capacity=c)
+                    plans = self._sweep_plans([np.zeros((0, 3), np.int64)] * self.dp, c)
                     self.state, _ = self._sweep_fn(self.state, plans, {"FULL": self.layout.fingerprinted()})
             if self.tokens is not None:
                 self.tokens.precompile()
@@ -444,7 +477,7 @@ class SglangJaxCanary:
             cstate = ep.tail(cstate, ctx, sources)
             return cstate, counter_snapshot(cstate), hint
 
-        if self.tp > 1:
+        if self.devices > 1:
             check = self._per_device(check, static=("decode",))
             return jax.jit(check, donate_argnums=(0,), static_argnames=("decode",))
         return jax.jit(check, donate_argnums=(0,), static_argnames=("decode",),
@@ -452,25 +485,25 @@ class SglangJaxCanary:
 
     def _per_device(self, fn, static=()):
         """``fn(cstate, arrays, kv0, **static)`` under ``jax.shard_map`` over the runner's mesh:
-        each device of the ``tensor`` axis runs it on its own canary state (``[tp, ...]`` blocks)
-        and on its own shard of the KV (its heads: the real-KV fingerprints are of the device's
-        own heads, nothing is gathered across devices), with the batch arrays replicated; the
-        outputs get the device axis back."""
+        each device runs it on its own canary state (its block), on its own shard of the KV (its
+        rank's slots and its heads: the real-KV fingerprints are of the device's own heads,
+        nothing is gathered across devices) and on its rank's section of the batch arrays
+        (``P("data")``; replicated without data parallelism, and for ``REPLICATED_ARRAYS``);
+        the outputs get the device axis back."""
         kv_spec = getattr(getattr(self.layout.kv(), "sharding", None), "spec", PartitionSpec())
-
-        mesh = self.runner.mesh
-        everywhere = NamedSharding(mesh, PartitionSpec())
+        mesh, state_spec = self.runner.mesh, self._state_sharding().spec
+        section = PartitionSpec(DP_AXIS) if self.dp > 1 else PartitionSpec()
 
         def run(cstate, arrays, kvs, **kw):
             def body(cs, arr, kv):
                 out = fn(local_view(cs), arr, kv, mesh=None, **kw)
                 return global_view(out)
 
-            arrays = jax.tree.map(lambda x: jax.sharding.reshard(x, everywhere), arrays)
-            specs = jax.tree.map(lambda _: kv_spec, kvs)
-            return jax.shard_map(body, mesh=mesh,
-                                 in_specs=(PartitionSpec(TP_AXIS), PartitionSpec(), specs),
-                                 out_specs=PartitionSpec(TP_AXIS))(cstate, arrays, kvs)
+            specs = {k: PartitionSpec() if k in REPLICATED_ARRAYS else section for k in arrays}
+            arrays = {k: jax.tree.map(lambda x, s=specs[k]: jax.sharding.reshard(
+                x, NamedSharding(mesh, s)), v) for k, v in arrays.items()}
+            return jax.shard_map(body, mesh=mesh, in_specs=(state_spec, specs, jax.tree.map(
+                lambda _: kv_spec, kvs)), out_specs=state_spec)(cstate, arrays, kvs)
 
         return run
 
@@ -480,9 +513,11 @@ class SglangJaxCanary:
 
         def sweep(cstate, plans, kvs, mesh=None):
             sources = layout.sources(kvs, mode) if mode else {}
+            if self.dp > 1:                          # inside shard_map: the rank's own plans
+                plans = local_view(plans)
             return ep.sweep(cstate, plans, sources), cost_hint(cstate)
 
-        if self.tp > 1:
+        if self.devices > 1:
             sweep = self._per_device(sweep)
             return jax.jit(sweep, donate_argnums=(0,))
         return jax.jit(sweep, donate_argnums=(0,), out_shardings=self._state_sharding())
@@ -505,11 +540,21 @@ class SglangJaxCanary:
         """Collect the chains of every slot the prefix cache holds, for the next step to verify
         against the tail canaries (SWEEP tags, on that step's layer-0 KV). Call it where the radix
         tree is consistent (the scheduler's thread, between batches); returns the slots collected."""
-        chains = radix_chains(self.tree_cache)
-        plans = build_group_sweep_plans(chains, SWEPT_GROUPS)
+        chains = radix_chains(self.tree_cache, self.dp)
+        plans = self._sweep_plans(chains)
         with self._sweep_lock:
             self._pending_sweep = plans
-        return int(chains.shape[0])
+        return sum(int(c.shape[0]) for c in chains)
+
+    def _sweep_plans(self, chains: list, min_capacity: int = DEFAULT_MIN_CAPACITY):
+        """The sweep's plans of each rank's chains (``radix_chains``): one rank's as they are;
+        with data parallelism stacked ``[dp, ...]`` at one capacity (the launch gives each rank
+        its own)."""
+        if self.dp == 1:
+            return build_group_sweep_plans(chains[0], SWEPT_GROUPS, min_capacity=min_capacity)
+        cap = max(bucket_capacity(c.shape[0], min_capacity) for c in chains)
+        per_rank = [build_group_sweep_plans(c, SWEPT_GROUPS, min_capacity=cap) for c in chains]
+        return jax.tree.map(lambda *x: np.stack(x), *per_rank)
 
     def before_launch(self, batch) -> None:
         """The scheduler hook (``install_into_scheduler``): called with each ``ScheduleBatch``

@@ -346,7 +346,7 @@ class FaultInjector:
             used = set()
             for req, n in _running(batch):
                 used.update(int(s) for s in rtt[req.req_pool_idx, :n])
-            for slot in radix_chains(self.canary.tree_cache)[:, 0]:
+            for slot in radix_chains(self.canary.tree_cache)[0][:, 0]:
                 if int(slot) > 0 and int(slot) not in used:
                     self._queued_slot = (step, int(slot))
                     return

@@ -321,7 +321,9 @@ class _Runner:
     that layer's ``FusedGeometry``; ``geometry`` is the FULL one), ``swa_window`` (the sliding
     window, 0 without SWA), ``page_size``, ``latent`` (the ``LatentDims`` of an absorbed-MLA
     latent pool, else None), ``recurrent`` (the hybrid linear pool: the model's linear-attention
-    layers keep a recurrent state per request, which the canary does not check)."""
+    layers keep a recurrent state per request, which the canary does not check), ``dp``
+    (data-parallel attention ranks: the buffer's slots are ``dp`` equal rank sections, each
+    with its own padding page, addressed by rank-local slot ids)."""
 
     def __init__(self, runner):
         _need(callable(getattr(runner, "jitted_run_model", None)), "jitted_run_model")
@@ -330,9 +332,14 @@ class _Runner:
         refused = pool is not None and pools.install_refusal(type(pool).__name__)
         if refused:
             raise ValueError(refused)
-        if int(getattr(runner, "dp_size", 1)) != 1:
-            raise ValueError("kv-canary: the sglang-jax integration supports dp_size=1 only, got "
-                             f"dp_size={runner.dp_size}")
+        self.dp = int(getattr(runner, "dp_size", 1) or 1)
+        if self.dp > 1 and (pools.is_swa(pool) or pools.is_latent(pool) or
+                            pools.is_recurrent(pool)):
+            raise ValueError(f"kv-canary: data-parallel attention (dp_size={self.dp}) is guarded "
+                             f"with the MHA KV pool, this runner has {type(pool).__name__}")
+        if self.dp > 1 and int(dict(runner.mesh.shape).get("data", 1)) != self.dp:
+            raise ValueError(f"kv-canary: dp_size={self.dp} needs the mesh's data axis of "
+                             f"{self.dp} devices, got mesh {dict(runner.mesh.shape)}")
         self.runner = runner
         self.groups, self.layer, self.swa_window, self.latent = ("FULL",), {"FULL": 0}, 0, None
         self.recurrent = pools.is_recurrent(pool)

@@ -26,7 +26,10 @@ therefore show up there with no endpoint of their own:
 ==================================  =======  =============================================
 
 The device counters (verified, written) are as of the monitor's last full readback: every
-``COUNTERS_INTERVAL`` steps, at a stats line, and when the server goes idle.
+``COUNTERS_INTERVAL`` steps, at a stats line, and when the server goes idle. With tensor
+parallelism a slot counts once (not once per device of the ``tensor`` axis, whose devices all
+check it, each on its own heads); with data-parallel attention the ranks' counts add up.
+Violations count rows, each device's own.
 """
 
 from __future__ import annotations
@@ -53,6 +56,14 @@ def protected_tokens(allocator) -> int:
 
 #: the HiCache page counts of ``hicache.HostRecords`` in the stats line and the metrics
 HOST_PAGE_COUNTS = ("exported", "imported", "skipped", "checked")
+
+
+def per_rank(counts: np.ndarray, tp: int) -> np.ndarray:
+    """``int64[T]``: per-device counts ``[D, T]`` (rank-major, ``tp`` devices per data-parallel
+    rank) summed over the ranks, one tensor-parallel device each (a rank's devices check the
+    same slots, each on its own heads: a slot counts once)."""
+    c = np.asarray(counts)
+    return c.reshape(-1, tp, c.shape[-1])[:, 0].sum(axis=0)
 
 
 class CanaryTotals:
@@ -85,9 +96,9 @@ class CanaryTotals:
             t.pd_side = transfer.role
             t.pd = {"requests": int(transfer.requests), "slots": int(transfer.slots)}
         if m.counters is not None:
-            ver = m.counters.verified.sum(axis=0)
-            wr = m.counters.written.sum(axis=0)
-            for tag in np.flatnonzero(m.counters.slot_runs.sum(axis=0)):
+            tp = int(getattr(canary, "tp", 1))
+            ver, wr = (per_rank(m.counters.verified, tp), per_rank(m.counters.written, tp))
+            for tag in np.flatnonzero(per_rank(m.counters.slot_runs, tp)):
                 t.verified[tag_name(int(tag))] = int(ver[tag])
                 t.written[tag_name(int(tag))] = int(wr[tag])
         return t

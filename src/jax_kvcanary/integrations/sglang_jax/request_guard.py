@@ -29,13 +29,16 @@ failed the canary ...``), so an operator knows which answers not to trust.
    cache: every radix-tree node holding it is evicted with its subtree (its tokens are recomputed
    by the next request that needs them) as soon as no request holds a lock on it. Eviction runs
    before the scheduler matches new requests against the tree (``before_schedule``).
+6. With data-parallel attention, slot ids are rank-local: a row of a device of rank ``r`` names
+   requests of rank ``r`` only (from rank ``r``'s section of the step's arrays, ``rank_section``),
+   and a slot is quarantined and evicted on its rank (``(dp_rank, slot)``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -61,6 +64,28 @@ def swa_slots(lut: np.ndarray, full: np.ndarray, *, evicted: bool) -> np.ndarray
     ok = (full >= 0) & (full < lut.shape[0])
     out = np.where(ok, lut[np.clip(full, 0, lut.shape[0] - 1)], -1)
     return np.where(evicted & (out == 0) & (full > 0), -1, out)
+
+
+def dp_rank_of(obj) -> int:
+    """The data-parallel rank of a request or a radix-tree key (its ``dp_rank``; 0 without data
+    parallelism)."""
+    rank = getattr(obj, "dp_rank", None)
+    return 0 if rank is None else int(rank)
+
+
+def rank_section(arrays: dict, rank: int, dp: int, replicated=()) -> dict:
+    """Rank ``rank``'s section of a step's arrays (host copies): each array is ``dp`` equal
+    sections, one per rank, as sglang-jax lays out a data-parallel batch; ``replicated`` keys
+    are kept whole."""
+    out = {}
+    for k, a in arrays.items():
+        if a is None or k in replicated:
+            out[k] = a
+        else:
+            host = np.asarray(a)
+            n = host.shape[0] // dp
+            out[k] = host[rank * n:(rank + 1) * n]
+    return out
 
 
 def running_requests(scheduler) -> List:
@@ -192,13 +217,16 @@ def node_slots(node):
     return node.component_data[BASE_COMPONENT_TYPE].value
 
 
-def tree_nodes_holding(tree_cache, slots: set) -> List:
+def tree_nodes_holding(tree_cache, slots: set, rank: Optional[int] = None) -> List:
     """The radix-tree nodes whose KV slots include one of ``slots`` (outermost first: a node's
-    subtree is not listed again)."""
+    subtree is not listed again); with ``rank``, only nodes of that data-parallel rank (their
+    keys' ``dp_rank``: slot ids are rank-local)."""
     out, stack = [], [tree_cache.root_node]
     while stack:
         node = stack.pop()
         for child in list(node.children.values()):
+            if rank is not None and dp_rank_of(child.key) != rank:
+                continue
             val = node_slots(child)
             if val is not None and len(val) and not slots.isdisjoint(np.asarray(val).tolist()):
                 out.append(child)
@@ -232,15 +260,16 @@ def sglang_finish_abort(message: str):
     return FINISH_ABORT(message, None, "KVCanaryViolation")
 
 
-def describe(violations: Sequence, pool: str = "") -> str:
+def describe(violations: Sequence, pool: str = "", rank: Optional[int] = None) -> str:
     """``KV slot(s) 1, 2 ... failed the KV-cache canary (TAG reasons)`` for an abort message
-    (``pool``: whose KV, e.g. ``draft model's ``)."""
+    (``pool``: whose KV, e.g. ``draft model's ``; ``rank``: the data-parallel rank whose
+    rank-local slots they are)."""
     slots = sorted({int(v.slot) for v in violations})
     first = violations[0]
-    return pool + "KV slot(s) {} failed the KV-cache canary ({} {})".format(
+    return pool + "KV slot(s) {}{} failed the KV-cache canary ({} {})".format(
         ", ".join(map(str, slots[:MESSAGE_SLOTS]))
         + (f" and {len(slots) - MESSAGE_SLOTS} more" if len(slots) > MESSAGE_SLOTS else ""),
-        first.tag_name, "+".join(first.reasons))
+        "" if rank is None else f" of dp_rank {rank}", first.tag_name, "+".join(first.reasons))
 
 
 class RequestGuard:
@@ -256,8 +285,8 @@ class RequestGuard:
       finish_abort: makes the ``req.to_finish`` value of an abort from its message (default
         sglang-jax's ``FINISH_ABORT``).
 
-    Attributes: ``named`` (rids named, in order), ``quarantined`` (slot -> the report that named
-    it), ``evicted`` (slots freed from the prefix cache).
+    Attributes: ``named`` (rids named, in order), ``quarantined`` (``(dp_rank, slot)`` -> the
+    report that named it), ``evicted`` (slots freed from the prefix cache).
     """
 
     def __init__(self, scheduler, canary, logger: logging.Logger, abort: bool,
@@ -267,7 +296,8 @@ class RequestGuard:
         self.canary = canary
         self.logger = logger
         self.abort = bool(abort)
-        self.quarantined: Dict[int, str] = {}
+        self.quarantined: Dict[Tuple[int, int], str] = {}
+        self.dp = int(getattr(canary, "dp", 1))
         self.named: List[str] = []
         self.evicted = 0
         self._rows: List = []                      # violations not yet acted on
@@ -297,10 +327,10 @@ class RequestGuard:
         if self.abort:
             for v in due:                          # full-pool slots (SWA rows name SWA slots,
                 if v.slot > 0 and int(v.tag) not in _SWA_TAGS:   # which the tree does not hold)
-                    self.quarantined.setdefault(int(v.slot),
+                    self.quarantined.setdefault((self._rank(v), int(v.slot)),
                                                 f"{v.tag_name} {'+'.join(v.reasons)}")
         for req, first, vs in self._named(due, by_rp):
-            self._act(req, first, describe(vs, self._pool))
+            self._act(req, first, self._describe(vs))
         for s in lost:
             record = self.canary.records.get(s)
             rps = [] if record is None else np.asarray(record.arrays["req_pool_indices"]).tolist()
@@ -322,7 +352,17 @@ class RequestGuard:
                 self.named.append(req.rid)
                 self.logger.warning("kv-canary: request rid=%s read KV that failed the canary at "
                                     "step %d: its %s; the engine's own error ends the server "
-                                    "before it answers", req.rid, first, describe(vs, self._pool))
+                                    "before it answers", req.rid, first, self._describe(vs))
+
+    def _rank(self, violation) -> int:
+        """The data-parallel rank of the device that recorded ``violation``."""
+        if self.dp == 1 or violation.device is None:
+            return 0
+        return int(violation.device) // int(self.canary.tp)
+
+    def _describe(self, violations: Sequence) -> str:
+        return describe(violations, self._pool,
+                        self._rank(violations[0]) if self.dp > 1 else None)
 
     def _named(self, due: list, by_rp: dict) -> list:
         """``(request, first launch step, [violations])`` of each request the rows ``due`` name
@@ -335,17 +375,26 @@ class RequestGuard:
     def _name(self, step: int, violations: list, by_rp: dict, named: dict) -> None:
         """Add the requests ``violations`` (rows of launch ``step``) name to ``named``
         (``id(req) -> (req, [violations])``)."""
+        for rank in sorted({self._rank(v) for v in violations}):
+            self._name_on_rank(step, rank, [v for v in violations if self._rank(v) == rank],
+                               by_rp, named)
+
+    def _name_on_rank(self, step: int, rank: int, violations: list, by_rp: dict,
+                      named: dict) -> None:
+        """``_name`` for the rows of one data-parallel rank's devices (rank-local slots)."""
         record = self.canary.records.get(step)
         layout = self.canary.layout
         sweep = [v for v in violations if row_kind(v.row) == "sweep"]
         rows = [v for v in violations if row_kind(v.row) != "sweep"]
         if rows and record is not None:
-            hits = named_batch_rows(np.stack([v.row for v in rows]), record.arrays,
+            arrays = record.arrays if self.dp == 1 else rank_section(
+                record.arrays, rank, self.dp, replicated=("token_pool", "swa_lut"))
+            hits = named_batch_rows(np.stack([v.row for v in rows]), arrays,
                                     decode=record.decode, page_size=layout.page_size,
                                     aligned=layout.aligned_segments,
                                     swa_window=layout.swa_window,
                                     kv_positions=getattr(self.canary, "draft", False))
-            rps = np.asarray(record.arrays["req_pool_indices"]).tolist()
+            rps = np.asarray(arrays["req_pool_indices"]).tolist()
             for r, ks in hits.items():
                 req = by_rp.get(int(rps[r]))
                 if req is not None:
@@ -355,6 +404,8 @@ class RequestGuard:
         if sweep:
             table = self.scheduler.req_to_token_pool.req_to_token
             for req in by_rp.values():
+                if dp_rank_of(req) != rank:
+                    continue
                 held = request_slots(req, table)
                 hit = [v for v in sweep
                        if read_at(v.row, np.flatnonzero(held == v.slot)).any()]
@@ -394,19 +445,21 @@ class RequestGuard:
         table = self.scheduler.req_to_token_pool.req_to_token
         held = set()
         for req in running_requests(self.scheduler):
-            held |= bad.intersection(request_slots(req, table).tolist())
-        held |= self._evict(bad)
-        for slot in bad - held:
-            del self.quarantined[slot]
+            rank = dp_rank_of(req)
+            held |= bad.intersection((rank, s) for s in request_slots(req, table).tolist())
+        for rank in sorted({r for r, _ in bad}):
+            held |= {(rank, s) for s in self._evict({s for r, s in bad if r == rank}, rank)}
+        for key in bad - held:
+            del self.quarantined[key]
 
-    def _evict(self, bad: set) -> set:
-        """Evict the unlocked radix-tree nodes holding a quarantined slot (and their subtrees);
-        returns the slots still held by locked nodes."""
+    def _evict(self, bad: set, rank: int) -> set:
+        """Evict the unlocked radix-tree nodes of ``rank`` holding a quarantined slot of that rank
+        (and their subtrees); returns the slots still held by locked nodes."""
         tree = self.scheduler.tree_cache
         if getattr(tree, "root_node", None) is None:
             return set()
         held = set()
-        for node in tree_nodes_holding(tree, bad):
+        for node in tree_nodes_holding(tree, bad, rank if self.dp > 1 else None):
             slots = bad.intersection(np.asarray(node_slots(node)).tolist())
             if not hasattr(node, "value") or not hasattr(node, "lock_ref"):
                 # sglang-jax's UnifiedRadixCache (HiCache) and SWARadixCache (hybrid SWA pool):
@@ -423,8 +476,9 @@ class RequestGuard:
                 continue
             n = evict_subtree(tree, node)
             self.evicted += n
-            self.logger.warning("kv-canary: evicted %d cached token(s) holding slot(s) %s from "
-                                "the prefix cache", n, ", ".join(map(str, sorted(slots))))
+            self.logger.warning("kv-canary: evicted %d cached token(s) holding slot(s) %s%s "
+                                "from the prefix cache", n, ", ".join(map(str, sorted(slots))),
+                                f" of dp_rank {rank}" if self.dp > 1 else "")
         return held
 
 

@@ -59,9 +59,8 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
         refuse(f"--nnodes {a.nnodes}",
                "each process would read back canary arrays that span the devices of the other "
                "processes", f"serve from one node (--nnodes 1), {off}")
-    if int(a.dp_size) != 1:
-        refuse(f"--dp-size {a.dp_size}", "the page table is split per data-parallel rank",
-               f"run with --dp-size 1, {off}")
+    for setting, why in dp_refusals(a, config, inject):
+        refuse(f"{setting} with --dp-size {a.dp_size}", why, f"run with --dp-size 1, {off}")
     for setting, why, fix in speculative.refusals(a, config, inject):
         refuse(setting, why, f"{fix}, {off}")
     if a.enable_lora:
@@ -131,6 +130,35 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
     return out
 
 
+#: faults planted with data-parallel attention (batch row 0: rank 0's first request)
+DP_INJECT_KINDS = ("real_kv_used",)
+
+
+def dp_refusals(a, config: CanaryConfig, inject: Optional[InjectSpec]) -> List[tuple]:
+    """``(setting, why)`` of what is not guarded with data-parallel attention (``--dp-size`` >
+    1) yet; each rank's slots, batch sections and sweeps are (``canary``)."""
+    if int(a.dp_size) == 1:
+        return []
+    out = []
+    if speculative.is_speculative(a):
+        out.append((f"--speculative-algorithm {a.speculative_algorithm}",
+                    "the draft model's canary has not run data-parallel"))
+    if getattr(a, "hicache_storage", "disable") not in (None, "disable"):
+        out.append((f"--hicache-storage {a.hicache_storage}",
+                    "the host tier's records are not kept per rank"))
+    if getattr(a, "disaggregation_mode", "null") not in (None, "null"):
+        out.append((f"--disaggregation-mode {a.disaggregation_mode}",
+                    "PD transfers the records of one rank's slots"))
+    if config.write_input_assert or config.token_check:
+        out.append(("--kv-canary-write-input-assert / --kv-canary-token-check",
+                    "the intended tokens are not kept per rank"))
+    if inject is not None and (inject.kind not in DP_INJECT_KINDS or inject.group != "FULL"):
+        out.append((f"--kv-canary-inject {inject.kind}"
+                    + (f" --kv-canary-inject-group {inject.group}" if inject.group != "FULL"
+                       else ""), f"the faults planted data-parallel are {', '.join(DP_INJECT_KINDS)}"))
+    return out
+
+
 def model_refusals(server_args, config: Optional[CanaryConfig] = None,
                    inject: Optional[InjectSpec] = None) -> List[str]:
     """Refusals that need the model's config (read from ``--model-path``; nothing is loaded): the
@@ -147,6 +175,10 @@ def model_refusals(server_args, config: Optional[CanaryConfig] = None,
         if line:
             return [line + (f" (inside the {built[0]})" if len(built) > 1 else "")]
     pool = built[0]
+    if int(getattr(server_args, "dp_size", 1) or 1) > 1 and built != ["MHATokenToKVPool"]:
+        return [f"kv-canary: --dp-size {server_args.dp_size} with the KV pool "
+                f"{' around '.join(built)} is not supported: data-parallel attention is guarded "
+                "with the MHA KV pool; run with --dp-size 1, or run with --kv-canary none"]
     if inject is not None and inject.on_swa and pool != "SWAKVPool":
         what = inject.kind if inject.kind in SWA_KINDS else f"{inject.kind} on the SWA group"
         return [f"kv-canary: --kv-canary-inject {what} is not supported with the KV pool "
@@ -275,6 +307,8 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
                 canary.layout.page_size,
                 "".join([f", FULL and SWA groups (hybrid SWA pool, window {canary.layout.swa_window})"
                          if "SWA" in canary.layout.groups else "",
+                         f", data parallel over {canary.dp} ranks of {canary.tp} device(s)"
+                         if canary.dp > 1 else
                          f", tensor parallel over {canary.tp} devices" if canary.tp > 1 else "",
                          ", write-input assert" if config.write_input_assert else "",
                          ", token check" if config.token_check else "",
