@@ -205,7 +205,7 @@ def test_injected_fault_is_reported_within_two_steps(model_dir, tmp_path, kind, 
         assert hits, f"no {tag}* {reason} report after the {kind} at step {step}:\n{srv.log_tail()}"
         assert hits[0][2] <= step + 2, (step, hits[0])
         if tp > 1:                                        # rows say which device found them
-            assert re.search(r"\n  device=\d\n", srv.log()), srv.log_tail()
+            assert re.search(r"\n  device=\d tensor=\d \(", srv.log()), srv.log_tail()
         # one report per episode: no (tag, reasons, slot) is reported twice; once the server is
         # idle, each episode's summary gives its rows and steps
         seen = [(t, why, slot) for t, why, slot, _ in reports]
@@ -386,7 +386,9 @@ def test_raise_mode_ends_the_server_with_the_report(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("args, refused", [
-    (["--dp-size", "2"], "kv-canary: --dp-size 2 is not supported"),
+    (["--dp-size", "2", "--tp-size", "2", "--kv-canary-token-check"],
+     "kv-canary: --kv-canary-write-input-assert / --kv-canary-token-check with --dp-size 2 is "
+     "not supported"),
     (["--kv-canary-inject", "real_kv_unused_cache"],
      "kv-canary: --kv-canary-inject real_kv_unused_cache without sweeps is not supported"),
     (["--attention-backend", "fa_mha"], "kv-canary: --attention-backend fa_mha is not supported"),
