@@ -44,13 +44,17 @@ def engine_args(**changes) -> Tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Bug:
-    """A real sglang-jax KV bug, re-introduced by ``patch``.
+    """A real sglang-jax KV bug, re-introduced by ``patch`` (or the snapshot's own, fixed by
+    ``fix``).
 
     Attributes:
       key: the upstream number the suite names it by.
       upstream: the upstream issue / PR and the commit that fixed it.
       damages: what it damages, in a few words.
-      patch: the file under ``patches/`` that re-introduces it.
+      patch: the file under ``patches/`` that re-introduces it; "" when the snapshot has it.
+      fix: for a bug the snapshot has, the file under ``patches/`` that fixes it (the fixed
+        build and the reference answers apply it).
+      devices: forced host devices for the servers (data-parallel attention needs several).
       engine_args: sglang-jax's arguments for the replay (the overlap scheduler unless they say).
       canary_args: the canary's arguments besides ``--kv-canary MODE``.
       workload: what the replay sends.
@@ -76,6 +80,8 @@ class Bug:
     pd: bool = False
     model: str = "tiny-qwen2"
     ends_server: str = ""
+    fix: str = ""
+    devices: int = 1
 
 
 BUGS: Dict[str, Bug] = {b.key: b for b in (
@@ -116,4 +122,11 @@ BUGS: Dict[str, Bug] = {b.key: b for b in (
         ends_server="the radix tree then holds slots the request never wrote and frees them, "
                     "and the engine's own checks end the scheduler (its memory-leak check, or "
                     "'Out of memory' when the SWA pool's count has gone wrong)"),
+    Bug("cpu-dp", "sglang-jax main as vendored (no upstream issue found; the TPU path is per rank)",
+        "data-parallel attention off the TPU: rank 1's KV written into rank 0's rows at its "
+        "rank-local slot ids, and read from there",
+        "", engine_args(tp_size="2", dp_size="2", disable_overlap_schedule=()),
+        canary_args=("--kv-canary-sweep-interval", "4"),
+        workload=Workload(bursts=3, concurrency=4), fix="fix-cpu-dp-rank-slots.patch",
+        devices=2),
 )}

@@ -240,12 +240,13 @@ def serving(model_dir: str, engine_args: Sequence[str], args: Sequence[str], log
 def reference_answers(model_dir: str, engine_args: Sequence[str], workload: Workload,
                       phases: Sequence[bool], workdir: str, log_dir: str,
                       fixtures: Sequence[str] = builds.FIXTURES,
-                      launcher: str = LAUNCHER, pd: bool = False) -> Dict[str, list]:
+                      launcher: str = LAUNCHER, pd: bool = False,
+                      env: Optional[dict] = None) -> Dict[str, list]:
     """The stock answers of the build with ``fixtures`` (the fixed build) to every prompt of the
     phases, one at a time (cached in ``workdir`` by build, engine arguments and workload), by
-    ``prompt_key``."""
+    ``prompt_key``; ``env``: more environment for the server."""
     key = json.dumps([os.path.basename(model_dir), list(fixtures), list(engine_args),
-                      dataclasses.asdict(workload), list(phases), launcher, pd])
+                      dataclasses.asdict(workload), list(phases), launcher, pd, env or {}])
     path = os.path.join(workdir, f"reference-{hashlib.sha1(key.encode()).hexdigest()[:10]}.json")
     if os.path.exists(path):
         with open(path) as f:
@@ -255,7 +256,8 @@ def reference_answers(model_dir: str, engine_args: Sequence[str], workload: Work
     build = builds.make_build(workdir, (), fixtures)
     answers = {}
     with serving(model_dir, engine_args, ["--kv-canary", "none", "--disable-overlap-schedule"],
-                 log_dir, "reference", build.env, launcher, pd) as (srv, _, _):
+                 log_dir, "reference", dict(build.env, **(env or {})), launcher,
+                 pd) as (srv, _, _):
         for seed, _ in enumerate(phases):
             for texts in workload.phase_prompts(seed):
                 for t in texts:
@@ -270,14 +272,14 @@ def run_server(build: builds.Build, label: str, mode: str, model_dir: str,
                engine_args: Sequence[str], canary_args: Sequence[str], workload: Workload,
                phases: Sequence[bool], reference: Dict[str, list], log_dir: str,
                launcher: str = LAUNCHER, pd: bool = False,
-               first_seed: int = 0) -> List[PhaseResult]:
+               first_seed: int = 0, env: Optional[dict] = None) -> List[PhaseResult]:
     """One guarded server (or PD setup) of ``build`` in ``mode``; one ``PhaseResult`` per phase
     (``phases``: whether each runs under ``CpuLoad``; the phases' prompts are those of seeds
-    ``first_seed``, ``first_seed + 1``, ...)."""
+    ``first_seed``, ``first_seed + 1``, ...; ``env``: more environment for the server)."""
     results = []
     name = f"{label}-{mode}" + (f"-{first_seed}" if first_seed else "")
     with serving(model_dir, engine_args, ["--kv-canary", mode, *canary_args], log_dir,
-                 name, build.env, launcher, pd) as (srv, logs, died):
+                 name, dict(build.env, **(env or {})), launcher, pd) as (srv, logs, died):
         for seed, loaded in enumerate(phases, start=first_seed):
             res = PhaseResult(label, mode, loaded)
             start = [len(text) for text in logs()]
@@ -317,10 +319,13 @@ def run_bug(bug, workdir: str, log_dir: str, phases: Sequence[bool],
     workload = bug.workload if bursts is None else dataclasses.replace(bug.workload, bursts=bursts)
     model_dir = model_path(workdir, bug.model)
     os.makedirs(log_dir, exist_ok=True)
+    fix = (bug.fix,) if bug.fix else ()
+    devices = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={bug.devices}"}
     reference = reference_answers(model_dir, bug.engine_args, workload, phases, workdir, log_dir,
-                                  launcher=bug.launcher, pd=bug.pd)
-    bug_build = builds.make_build(workdir, (bug.patch,))
-    fixed = builds.make_build(workdir, ())
+                                  fixtures=builds.FIXTURES + fix, launcher=bug.launcher,
+                                  pd=bug.pd, env=devices if bug.devices > 1 else {})
+    bug_build = builds.make_build(workdir, (bug.patch,) if bug.patch else ())
+    fixed = builds.make_build(workdir, fix)
     out = {"bug": bug.key, "phases": []}
     # a bug that ends its server gets a server per phase, so that each phase is replayed
     runs = ([(phases, 0)] if not bug.ends_server
@@ -330,7 +335,8 @@ def run_bug(bug, workdir: str, log_dir: str, phases: Sequence[bool],
         for run_phases, first_seed in runs:
             for res in run_server(build, f"{bug.key}-{label}", mode, model_dir, bug.engine_args,
                                   bug.canary_args, workload, run_phases, reference, log_dir,
-                                  launcher=bug.launcher, pd=bug.pd, first_seed=first_seed):
+                                  launcher=bug.launcher, pd=bug.pd, first_seed=first_seed,
+                                  env=devices if bug.devices > 1 else {}):
                 res.build = label
                 out["phases"].append(res)
     return out
