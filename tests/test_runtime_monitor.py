@@ -187,3 +187,34 @@ def test_snapshot_made_inside_the_step_reads_the_same():
     assert [list(v.row) for v in own.flush()] == [list(v.row) for v in given.flush()]
     assert np.array_equal(own.counters.kernel_runs, given.counters.kernel_runs)
     assert own.total == given.total == 3
+
+
+def test_all_processes_decide_on_the_rows_of_every_process():
+    """A state spanning several processes: each snapshot row ends with the rows of every
+    process's devices (``all_processes``). Rows recorded only elsewhere mark the ring as holding
+    rows (so every process resets it at the same gate), and in mode raise stop this process too,
+    with a message that says where they are; rows of its own are reported as usual."""
+    import jax.numpy as jnp
+
+    from jax_kvcanary.runtime.monitor import counter_snapshot
+
+    def snap(f, everywhere):
+        own = counter_snapshot(f.log())
+        return jnp.concatenate([own, jnp.asarray(np.array([[everywhere]], "<i4").view(np.uint8)
+                                                 .reshape(1, 4).repeat(own.shape[0], 0))], axis=-1)
+
+    f = FakeLog(devices=2)
+    mon = Monitor("log", all_processes=True)
+    for everywhere in (0, 0, 3, 3):                 # 3 rows on another process's devices
+        assert mon.step(f.log(), snapshot=snap(f, everywhere)) == []
+    assert mon.everywhere == 3 and mon.ring_has_rows and mon.violations == []
+    f.add(ROW_A, device=1)                          # and one of this process's own
+    mon.step(f.log(), snapshot=snap(f, 4))
+    assert [v.device for v in mon.flush()] == [1]
+
+    f, mon = FakeLog(devices=2), Monitor("raise", all_processes=True)
+    mon.step(f.log(), snapshot=snap(f, 0))
+    with pytest.raises(CanaryViolationError, match="recorded on another process's devices"):
+        mon.step(f.log(), snapshot=snap(f, 2))
+        mon.step(f.log(), snapshot=snap(f, 2))
+    assert mon.stopped

@@ -13,8 +13,8 @@ import re
 
 import pytest
 
-from tests.support.sglang_server import (PREFIX_HIT, PROMPTS, TINY_ENGINE_ARGS, Server,
-                                         installed_sglang_jax)
+from tests.support.sglang_server import (PROMPTS, TINY_ENGINE_ARGS, Server, installed_sglang_jax,
+                                         mixed_requests, unguarded_answers)
 from tests.support.tiny_qwen2 import write_tiny_qwen2
 
 pytestmark = pytest.mark.integration
@@ -49,21 +49,10 @@ def dp_server(model_dir, tmp_path, name, *args, tp=2, env=None):
                   env=dict(devices, **(env or {})))
 
 
-def workload(srv):
-    """Requests one at a time, then batches of four (two per rank): each reply, in order."""
-    replies = [srv.generate(p, 10) for p in PROMPTS]
-    replies += srv.generate(PROMPTS, 10)
-    replies += srv.generate([PROMPTS[0], PREFIX_HIT, PROMPTS[2], PROMPTS[1] + " again"], 10)
-    return replies
-
-
 @pytest.fixture(scope="module")
 def dp1(model_dir, tmp_path_factory):
     """The answers of ``--dp-size 1``, without the canary."""
-    log = tmp_path_factory.mktemp("dp1") / "dp1.log"
-    with Server(["--model-path", model_dir, *TINY_ENGINE_ARGS, *NON_OVERLAP, "--kv-canary",
-                 "none"], str(log)) as srv:
-        return [r["output_ids"] for r in workload(srv)]
+    return unguarded_answers(model_dir, str(tmp_path_factory.mktemp("dp1") / "dp1.log"))
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -72,7 +61,7 @@ def test_dp_guarded_answers_as_dp1_with_no_row(model_dir, tmp_path, fixed_env, d
     the same answers as ``--dp-size 1``, no row, no abort."""
     with dp_server(model_dir, tmp_path, f"dp2-tp{tp}", "--kv-canary", "abort",
                    "--kv-canary-sweep-interval", "4", tp=tp, env=fixed_env) as srv:
-        replies = workload(srv)
+        replies = mixed_requests(srv)
         srv.generate(PROMPTS[3], 4)                    # after the last batch's sweep
         log = srv.log()
     assert [r["output_ids"] for r in replies] == dp1
@@ -108,7 +97,7 @@ def test_stock_cpu_dp_cross_rank_writes_are_reported_on_the_rank_they_land_in(
     Rank 1's requests, which read through the same wrong addressing, are not named: the canary
     checks rank 1's own rows, which this path never writes (README, data parallelism)."""
     with dp_server(model_dir, tmp_path, f"stock-{mode}", "--kv-canary", mode) as srv:
-        replies = workload(srv)
+        replies = mixed_requests(srv)
         log = srv.log()
     ranks = {rank for _, rank in DEVICE_RE.findall(log)}
     assert ranks == {"0"}, log[-3000:]

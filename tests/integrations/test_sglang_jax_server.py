@@ -403,18 +403,18 @@ def test_unsupported_settings_are_refused_before_start(model_dir, args, refused)
     assert len(lines) == 1 and lines[0].startswith(refused), r.stderr[-2000:]
 
 
-def test_two_nodes_are_refused_before_either_process_starts(model_dir):
-    """``--nnodes 2``: the two processes of a two-node server (one forced host device each, as
-    the stock server serves it) are each refused before anything starts, with one ``kv-canary:``
-    line, rather than dying on their first request (each would read back canary arrays that span
-    the other process's device)."""
+def test_two_nodes_in_mode_abort_are_refused_before_either_process_starts(model_dir):
+    """``--nnodes 2`` in mode ``abort`` (modes ``log`` and ``raise`` are guarded on several
+    nodes: ``test_sglang_jax_nodes``): the two processes of a two-node server (one forced host
+    device each, as the stock server serves it) are each refused before anything starts, with
+    one ``kv-canary:`` line, rather than dying on their first request."""
     import signal
 
     init = free_port()
     procs = []
     try:
         for rank in (0, 1):
-            cmd = [sys.executable, "-m", LAUNCHER, "--kv-canary", "log", "--model-path", model_dir,
+            cmd = [sys.executable, "-m", LAUNCHER, "--kv-canary", "abort", "--model-path", model_dir,
                    *TINY_ENGINE_ARGS, "--tp-size", "2", "--nnodes", "2", "--node-rank", str(rank),
                    "--dist-init-addr", f"127.0.0.1:{init}", "--host", "127.0.0.1",
                    "--port", str(free_port())]
@@ -427,7 +427,7 @@ def test_two_nodes_are_refused_before_either_process_starts(model_dir):
             lines = [ln for ln in err.splitlines() if ln.startswith("kv-canary:")]
             assert proc.returncode == 2, (rank, err[-2000:])
             assert len(lines) == 1 and lines[0].startswith(
-                "kv-canary: --nnodes 2 is not supported"), (rank, err[-2000:])
+                "kv-canary: --kv-canary abort with --nnodes 2 is not supported"), (rank, err[-2000:])
     finally:
         for proc in procs:
             if proc.poll() is None:

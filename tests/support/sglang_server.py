@@ -43,6 +43,23 @@ PREFIX_HIT = PROMPTS[0] + " and why did the server answer wrong"
 STAND_INS = "tests.support.launch_with_stand_ins"
 
 
+def mixed_requests(srv) -> list:
+    """The prompts one at a time, then two batches of four (the second with a prefix hit): each
+    reply (a dict), in order."""
+    replies = [srv.generate(p, 10) for p in PROMPTS]
+    replies += srv.generate(PROMPTS, 10)
+    replies += srv.generate([PROMPTS[0], PREFIX_HIT, PROMPTS[2], PROMPTS[1] + " again"], 10)
+    return replies
+
+
+def unguarded_answers(model_dir: str, log_path: str) -> list:
+    """The tokens ``mixed_requests`` gets from one process of the tiny engine without the canary
+    (the non-overlap scheduler), in order."""
+    with Server(["--model-path", model_dir, *TINY_ENGINE_ARGS, "--disable-overlap-schedule",
+                 "--kv-canary", "none"], log_path) as srv:
+        return [r["output_ids"] for r in mixed_requests(srv)]
+
+
 def engine_args(attention_backend: str) -> list:
     """``TINY_ENGINE_ARGS`` with ``attention_backend`` instead of ``native``."""
     args = list(TINY_ENGINE_ARGS)

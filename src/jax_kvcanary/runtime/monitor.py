@@ -92,6 +92,18 @@ def _snapshot(write_index, kernel_runs, slot_runs, written):
     return jnp.concatenate([p.reshape(lead + (-1,)) for p in parts], axis=-1)
 
 
+def local_blocks(x):
+    """``(host, indices)``: ``x`` on the host, and the index in ``x``'s first dimension of each
+    block of ``host``: the whole array, or when ``x`` spans several processes' devices the blocks
+    of this process's shards only, in order (each shard one block of a leading device axis)."""
+    if getattr(x, "is_fully_addressable", True):
+        host = np.asarray(x)
+        return host, list(range(host.shape[0] if host.ndim > 1 else 1))
+    shards = {int(s.index[0].start or 0): s for s in x.addressable_shards}
+    starts = sorted(shards)
+    return np.concatenate([np.asarray(shards[k].data) for k in starts]), starts
+
+
 def _is_ready(x) -> bool:
     """Whether the computation producing ``x`` has finished (True where JAX cannot tell)."""
     ready = getattr(x, "is_ready", None)
@@ -129,6 +141,12 @@ class Monitor:
         the others. ``monitor.violations`` keeps every row either way.
       device_names: with a leading device axis, each device's label on its reports' ``device=``
         line, after its index (e.g. ``dp_rank=1 (TFRT_CPU_1)``).
+      all_processes: the state spans the devices of several processes (multi-controller JAX):
+        each process decodes the blocks of its own devices (``addressable_shards``), and each
+        snapshot row ends with 4 bytes more, ``int32``: the rows recorded on every device of
+        every process since the ring's last reset (the launch's ``psum``). Decisions are taken on
+        that total, so every process takes them at the same step: ``ring_has_rows``, and in mode
+        ``'raise'`` every process raises (one whose own devices recorded nothing says so).
 
     Raises:
       ValueError: an unknown ``mode``.
@@ -140,7 +158,7 @@ class Monitor:
     def __init__(self, mode: str = "log", *, health_interval: int = 0, expected_tags=(),
                  stats_interval: int = 0, stats_tags=None, logger: Optional[logging.Logger] = None,
                  episodes: Optional[EpisodeLog] = None, counters_interval: int = 0,
-                 device_names: Optional[Sequence[str]] = None):
+                 device_names: Optional[Sequence[str]] = None, all_processes: bool = False):
         if mode not in ("log", "raise", "none"):
             raise ValueError(f"kv-canary: Monitor mode must be 'log', 'raise' or 'none', got {mode!r}")
         self.mode = mode
@@ -164,6 +182,9 @@ class Monitor:
         self.lost_steps: List[int] = []   # monitor steps whose launches lost rows, in order
         self.episodes = episodes
         self.device_names = list(device_names or ())
+        self.all_processes = bool(all_processes)
+        self.everywhere = 0         # rows on every process's devices since the last ring reset
+        self._local = None          # the global device index of each block this process decodes
 
     @classmethod
     def from_config(cls, config: CanaryConfig, **kw) -> "Monitor":
@@ -253,12 +274,16 @@ class Monitor:
         wi = self._watermark              # the write_index of the last launch, every row decoded
         self._recycled = wi if self._recycled is None else self._recycled + wi
         self._set_watermark(np.zeros_like(wi))
+        self.everywhere = 0
         if self.counters is not None:
             self.counters = dataclasses.replace(self.counters, write_index=np.zeros_like(wi))
 
     @property
     def ring_has_rows(self) -> bool:
-        """Whether rows were recorded since the ring was last reset (decoded or lost)."""
+        """Whether rows were recorded since the ring was last reset (decoded or lost); with
+        ``all_processes``, on any process's devices."""
+        if self.all_processes:
+            return self.everywhere > 0
         return self._marks is not None and any(m > 0 for m in self._marks)
 
     def _set_watermark(self, marks: np.ndarray) -> None:
@@ -288,8 +313,12 @@ class Monitor:
         only ``write_index`` is read."""
         log = self._state
         num_tags = int(log.kernel_run_counters.shape[-2])
-        host = np.asarray(snap)
-        if not full and not self.health.due(snap_step) and not any(
+        host, self._local = local_blocks(snap)
+        everywhere = self.everywhere
+        if self.all_processes:                   # the trailing int32: rows on every process
+            everywhere = int(host.reshape(-1, host.shape[-1])[0, -4:].view("<i4")[0])
+            host = host[..., :-4]
+        if not full and not self.health.due(snap_step) and everywhere <= self.everywhere and not any(
                 n and snap_step % n == 0 for n in (self.stats_interval, self.counters_interval)):
             # every step: only each device's write_index (its first 4 bytes), in plain Python
             # (numpy's calls on arrays this small cost more than the comparison)
@@ -314,19 +343,29 @@ class Monitor:
             self.lost_steps.append(snap_step)
         new: List[Violation] = []
         if np.any(ends > self._watermark):
-            ring = np.ascontiguousarray(np.asarray(log.ring)).view("<i8").astype(np.int64)
+            ring = np.ascontiguousarray(local_blocks(log.ring)[0]).view("<i8").astype(np.int64)
             ring = ring.reshape((ndev, cap, consts.VIOLATION_FIELDS))
             for d in range(ndev):
+                g = self._local[d]               # the device's index in the whole state
                 for i in range(int(self._watermark[d]), int(ends[d])):
                     row = ring[d, i].copy()
                     total = int(base[d] + wi[d])
                     text = format_report(row, total=total, ring_capacity=cap, step=self.steps,
-                                         device=d if multi else None,
-                                         device_name=(self.device_names[d]
-                                                      if d < len(self.device_names) else ""))
-                    new.append(Violation(row, text, self.steps, i, total, cap, d if multi else None,
+                                         device=g if multi else None,
+                                         device_name=(self.device_names[g]
+                                                      if g < len(self.device_names) else ""))
+                    new.append(Violation(row, text, self.steps, i, total, cap, g if multi else None,
                                          snap_step))
+        before = int(self._watermark.sum())
         self._set_watermark(np.maximum(self._watermark, np.maximum(wi, 0)))
+        elsewhere = everywhere - self.everywhere > int(self._watermark.sum()) - before
+        self.everywhere = everywhere
+        if elsewhere and not new and self.mode == "raise":
+            self.stopped = True       # every process stops at this step, not only the finder
+            raise CanaryViolationError(
+                f"kv-canary: violation rows recorded on another process's devices (launch of "
+                f"step {snap_step}; {everywhere} row(s) on all processes since the ring's last "
+                "reset): that process reports them", [])
         self._emit(new)
         self.health.observe(snap_step, counters.kernel_runs)
         if self.stats_interval and snap_step % self.stats_interval == 0:

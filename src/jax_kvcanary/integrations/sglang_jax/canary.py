@@ -301,6 +301,9 @@ class SglangJaxCanary:
         self.tp = int(dict(runner.mesh.shape).get(TP_AXIS, 1))   # tensor-parallel devices
         self.dp = self.layout.dp                                 # data-parallel attention ranks
         self.devices = self.dp * self.tp
+        # several processes (sglang-jax's --nnodes): each reads back its own devices' blocks
+        self.processes = len({getattr(d, "process_index", 0)
+                              for d in np.asarray(runner.mesh.devices).reshape(-1)})
         self.num_slots = self.layout.geometry.num_slots // self.dp   # each rank's, padding incl.
         self._original = None                        # taken by install()
         self._original_sampler = None
@@ -363,8 +366,10 @@ class SglangJaxCanary:
         mesh = self.runner.mesh
         names, devs = tuple(mesh.axis_names), np.asarray(mesh.devices)
         if devs.size == self.devices and {DP_AXIS, TP_AXIS} <= set(names):
-            devs = np.moveaxis(devs, (names.index(DP_AXIS), names.index(TP_AXIS)), (0, 1))
-            where = lambda r, t: f"({devs.reshape(self.dp, self.tp)[r, t]})"
+            devs = np.moveaxis(devs, (names.index(DP_AXIS), names.index(TP_AXIS)),
+                               (0, 1)).reshape(self.dp, self.tp)
+            where = lambda r, t: ((f"process={devs[r, t].process_index} "
+                                   if self.processes > 1 else "") + f"({devs[r, t]})")
         else:                                       # a mesh of other axes: no device to name
             where = lambda r, t: ""
         return [((f"dp_rank={r} " if self.dp > 1 else "") + (f"tensor={t} " if self.tp > 1
@@ -391,6 +396,7 @@ class SglangJaxCanary:
                                logger=self.logger,
                                episodes=EpisodeLog() if self.episodes else None,
                                device_names=self.device_names() if self.devices > 1 else None,
+                               all_processes=self.processes > 1,
                                counters_interval=c.stats_interval or (
                                    COUNTERS_INTERVAL if self.metrics is not None else 0))
         self._seen_counters = None
@@ -461,6 +467,7 @@ class SglangJaxCanary:
         mode = self.config.real_kv_hash_mode
         layout = self.layout
         page_size, aligned, mesh = layout.page_size, layout.aligned_segments, self.runner.mesh
+        everywhere_axes = tuple(mesh.axis_names)
 
         def check(cstate, arrays, kvs, decode, mesh=mesh):
             ep = self._endpoints(arrays["seq_lens"].shape[0], table_entries(arrays, page_size))
@@ -475,7 +482,12 @@ class SglangJaxCanary:
             cstate, ctx = ep.head(cstate, batch)
             sources = layout.sources(kvs, mode) if mode else {}
             cstate = ep.tail(cstate, ctx, sources)
-            return cstate, counter_snapshot(cstate), hint
+            snapshot = counter_snapshot(cstate)
+            if self.processes > 1:               # every process's rows, for its monitor
+                everywhere = jax.lax.psum(cstate.log.write_index.reshape(()), everywhere_axes)
+                snapshot = jnp.concatenate([snapshot, jax.lax.bitcast_convert_type(
+                    everywhere.astype(jnp.int32), jnp.uint8)])
+            return cstate, snapshot, hint
 
         if self.devices > 1:
             check = self._per_device(check, static=("decode",))
@@ -754,7 +766,9 @@ class SglangJaxCanary:
             if not wait and not self.monitor.ready:
                 return False
             new = self.monitor.flush(close_episodes=False) if self.monitor.pending else []
-            self._after_readback(new + self._recycle_ring())
+            # with several processes the ring is reset only at a gate, where every process
+            # decides at the same step (the reset is a launch over all of them)
+            self._after_readback(new + (self._recycle_ring() if self.processes == 1 else []))
             if close:
                 self.monitor.close_episodes()
             return True

@@ -162,11 +162,13 @@ DRAFT_PAGE_KINDS = ("req_to_token_swap",) + DRAFT_KINDS
 class InjectSpec:
     """One fault: its ``kind`` (one of ``KINDS``), the first ``step`` (>= 1) it may go in at, and
     the ``group`` it is aimed at (``FULL``, ``SWA`` with a hybrid SWA pool, ``DRAFT`` the draft
-    model's pool with EAGLE)."""
+    model's pool with EAGLE) and, on a server of several nodes, the ``node`` whose devices' KV it
+    changes (``real_kv_used``: the other nodes' schedulers plant nothing)."""
 
     kind: str
     step: int = 8
     group: str = "FULL"
+    node: int = 0
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -211,12 +213,16 @@ def add_inject_args(parser) -> None:
     g.add_argument("--kv-canary-inject-group", choices=GROUPS, default="FULL",
                    help="the group the fault is aimed at: FULL (default), SWA (a hybrid SWA "
                         "pool's sliding layers) or DRAFT (the EAGLE draft model's pool)")
+    g.add_argument("--kv-canary-inject-node", type=int, default=0, metavar="R",
+                   help="with --nnodes above 1: the node whose devices' KV real_kv_used changes "
+                        "(default 0)")
 
 
 def spec_from_args(ns) -> Optional[InjectSpec]:
     kind = getattr(ns, "kv_canary_inject", None)
     return None if kind is None else InjectSpec(kind, int(getattr(ns, "kv_canary_inject_step", 8)),
-                                                getattr(ns, "kv_canary_inject_group", "FULL"))
+                                                getattr(ns, "kv_canary_inject_group", "FULL"),
+                                                int(getattr(ns, "kv_canary_inject_node", 0)))
 
 
 def _running(batch):
@@ -231,19 +237,33 @@ def _running(batch):
     return out
 
 
-def _edit_kv_row(layout, slot: int, edit, group: str = "FULL") -> None:
+def _edit_kv_row(layout, slot: int, edit, group: str = "FULL", node: int = 0) -> bool:
     """Apply ``edit`` to ``slot``'s token row of ``group``'s fingerprinted layer (layer 0 without
-    SWA), as bytes (every K and V head)."""
+    SWA), as bytes (every K and V head). When the buffer spans several processes' devices, only
+    process ``node`` edits, its own shards (their heads); returns whether this process edited."""
     kv = layout.kv(group)
-    arr = np.array(kv)
-    edit(arr.reshape(layout.geometries[group].num_slots, -1).view(np.uint8)[slot])
-    layout.set_kv(jax.device_put(arr, kv.sharding), group)
+    if getattr(kv, "is_fully_addressable", True):
+        arr = np.array(kv)
+        edit(arr.reshape(layout.geometries[group].num_slots, -1).view(np.uint8)[slot])
+        layout.set_kv(jax.device_put(arr, kv.sharding), group)
+        return True
+    if jax.process_index() != node:
+        return False
+    page_size, blocks = layout.page_size, []
+    for shard in kv.addressable_shards:
+        arr = np.array(shard.data)
+        at = slot - int(shard.index[0].start or 0) * page_size   # the shard's own token rows
+        if 0 <= at < arr.shape[0] * page_size:
+            edit(arr.reshape(arr.shape[0] * page_size, -1).view(np.uint8)[at])
+        blocks.append(jax.device_put(arr, shard.device))
+    layout.set_kv(jax.make_array_from_single_device_arrays(kv.shape, kv.sharding, blocks), group)
+    return True
 
 
-def _flip_byte(layout, slot: int, group: str = "FULL") -> None:
+def _flip_byte(layout, slot: int, group: str = "FULL", node: int = 0) -> bool:
     """XOR the first byte of ``slot``'s token row (K head 0) of ``group``'s fingerprinted layer
-    with 0xFF."""
-    _edit_kv_row(layout, slot, lambda row: row.__setitem__(0, row[0] ^ 0xFF), group)
+    with 0xFF (``_edit_kv_row``); returns whether this process changed it."""
+    return _edit_kv_row(layout, slot, lambda row: row.__setitem__(0, row[0] ^ 0xFF), group, node)
 
 
 def _zero_slot(layout, slot: int) -> None:
@@ -398,7 +418,9 @@ class FaultInjector:
             slot = int(layout.swa_map()[int(loc[pos])]) if swa else int(loc[pos])
             if slot <= 0:
                 return
-            _flip_byte(layout, slot, "SWA" if swa else "FULL")
+            if not _flip_byte(layout, slot, "SWA" if swa else "FULL", self.spec.node):
+                self.done = True                          # another node's scheduler plants it
+                return
             self._log(step, f"flipped byte 0 of {'SWA ' if swa else ''}slot {slot} (position "
                             f"{pos} of batch row 0) in "
                             + ("the first sliding layer's KV" if swa else

@@ -37,14 +37,15 @@ from .layout import ATTENTION_BACKENDS
 from .metrics import PrometheusCounters, protected_tokens
 
 
-def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = None
-             ) -> List[str]:
+def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = None,
+             abort: bool = False) -> List[str]:
     """The ``kv-canary:`` lines of every setting the canary cannot cover (empty: it can start).
 
     Args:
       server_args: sglang-jax's parsed ``ServerArgs``.
       config: the canary's ``CanaryConfig`` (mode ``'none'`` refuses nothing).
       inject: the fault to plant, or None.
+      abort: mode ``abort`` (``flags.aborts``).
     """
     if not config.enabled:
         return []
@@ -55,10 +56,9 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
 
     off = "or run with --kv-canary none"
     a = server_args
-    if int(getattr(a, "nnodes", 1) or 1) > 1:
-        refuse(f"--nnodes {a.nnodes}",
-               "each process would read back canary arrays that span the devices of the other "
-               "processes", f"serve from one node (--nnodes 1), {off}")
+    for setting, why in node_refusals(a, config, inject, abort):
+        refuse(f"{setting} with --nnodes {a.nnodes}", why, f"serve from one node (--nnodes 1), "
+               f"{off}")
     for setting, why in dp_refusals(a, config, inject):
         refuse(f"{setting} with --dp-size {a.dp_size}", why, f"run with --dp-size 1, {off}")
     for setting, why, fix in speculative.refusals(a, config, inject):
@@ -130,8 +130,48 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
     return out
 
 
-#: faults planted with data-parallel attention (batch row 0: rank 0's first request)
-DP_INJECT_KINDS = ("real_kv_used",)
+#: the faults planted with data-parallel attention (batch row 0: rank 0's first request) and on
+#: several nodes (in the KV shards of ``--kv-canary-inject-node``)
+SCALE_INJECT_KINDS = ("real_kv_used",)
+
+
+def _not_guarded_at_scale(a, config: CanaryConfig, inject: Optional[InjectSpec],
+                          where: str) -> List[tuple]:
+    """``(setting, why)`` of the features not guarded ``where`` (with data-parallel attention,
+    on several nodes) yet."""
+    out = []
+    if config.write_input_assert or config.token_check:
+        out.append(("--kv-canary-write-input-assert / --kv-canary-token-check",
+                    f"the intended tokens are not kept {where}"))
+    if speculative.is_speculative(a):
+        out.append((f"--speculative-algorithm {a.speculative_algorithm}",
+                    f"the draft model's canary has not run {where}"))
+    if getattr(a, "hicache_storage", "disable") not in (None, "disable"):
+        out.append((f"--hicache-storage {a.hicache_storage}",
+                    f"the host tier's records are not kept {where}"))
+    if getattr(a, "disaggregation_mode", "null") not in (None, "null"):
+        out.append((f"--disaggregation-mode {a.disaggregation_mode}", f"PD has not run {where}"))
+    if inject is not None and (inject.kind not in SCALE_INJECT_KINDS or inject.group != "FULL"):
+        out.append((f"--kv-canary-inject {inject.kind}"
+                    + (f" --kv-canary-inject-group {inject.group}" if inject.group != "FULL"
+                       else ""), f"the faults planted {where} are {', '.join(SCALE_INJECT_KINDS)}"))
+    return out
+
+
+def node_refusals(a, config: CanaryConfig, inject: Optional[InjectSpec],
+                  abort: bool) -> List[tuple]:
+    """``(setting, why)`` of what is not guarded on several nodes (``--nnodes`` > 1, one process
+    each) yet: modes ``log`` and ``raise`` are, each process reading back its own devices and
+    every process deciding on the rows of all of them at the same step (``canary``)."""
+    if int(getattr(a, "nnodes", 1) or 1) == 1:
+        return []
+    out = []
+    if abort:
+        out.append(("--kv-canary abort", "a process names requests from its own devices' rows, "
+                    "and every process must abort the same ones"))
+    if getattr(a, "enable_metrics", False):
+        out.append(("--enable-metrics", "node 0's /metrics would count its own devices only"))
+    return out + _not_guarded_at_scale(a, config, inject, "on several nodes")
 
 
 def dp_refusals(a, config: CanaryConfig, inject: Optional[InjectSpec]) -> List[tuple]:
@@ -139,24 +179,7 @@ def dp_refusals(a, config: CanaryConfig, inject: Optional[InjectSpec]) -> List[t
     1) yet; each rank's slots, batch sections and sweeps are (``canary``)."""
     if int(a.dp_size) == 1:
         return []
-    out = []
-    if speculative.is_speculative(a):
-        out.append((f"--speculative-algorithm {a.speculative_algorithm}",
-                    "the draft model's canary has not run data-parallel"))
-    if getattr(a, "hicache_storage", "disable") not in (None, "disable"):
-        out.append((f"--hicache-storage {a.hicache_storage}",
-                    "the host tier's records are not kept per rank"))
-    if getattr(a, "disaggregation_mode", "null") not in (None, "null"):
-        out.append((f"--disaggregation-mode {a.disaggregation_mode}",
-                    "PD transfers the records of one rank's slots"))
-    if config.write_input_assert or config.token_check:
-        out.append(("--kv-canary-write-input-assert / --kv-canary-token-check",
-                    "the intended tokens are not kept per rank"))
-    if inject is not None and (inject.kind not in DP_INJECT_KINDS or inject.group != "FULL"):
-        out.append((f"--kv-canary-inject {inject.kind}"
-                    + (f" --kv-canary-inject-group {inject.group}" if inject.group != "FULL"
-                       else ""), f"the faults planted data-parallel are {', '.join(DP_INJECT_KINDS)}"))
-    return out
+    return _not_guarded_at_scale(a, config, inject, "with data-parallel attention")
 
 
 def model_refusals(server_args, config: Optional[CanaryConfig] = None,
