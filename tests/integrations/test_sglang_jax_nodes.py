@@ -116,3 +116,24 @@ def test_two_nodes_of_two_devices_with_data_parallel_attention(model_dir, tmp_pa
     for log in logs:
         assert "data parallel over 2 ranks of 2 device(s)" in log, log[-3000:]
         assert "kv_canary violation" not in log and "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.slow
+def test_data_parallel_nodes_report_a_fault_on_the_node_of_its_rank(model_dir, tmp_path,
+                                                                    tmp_path_factory):
+    """The same two nodes with ``real_kv_used`` in batch row 0's KV (rank 0, on node 0's
+    devices): node 0's device of that head reports it and names the request; node 1 (rank 1)
+    reports nothing; both serve on."""
+    env = builds.make_build(str(tmp_path_factory.mktemp("builds")),
+                            ("fix-cpu-dp-rank-slots.patch",)).env
+    with nodes(model_dir, tmp_path, "--kv-canary", "log", "--dp-size", "2", "--kv-canary-inject",
+               "real_kv_used", "--kv-canary-inject-step", "4", "--kv-canary-inject-node", "0",
+               tp=4, devices=2, env=env) as n:
+        reply = n.head.generate(PROMPTS[0], 24)
+        n.head.generate(PROMPTS[1], 10)
+        time.sleep(1.0)
+        head, worker = n.logs()
+    assert {p for _, p in DEVICE_RE.findall(head)} == {"0"}, head[-3000:]
+    assert "dp_rank=0" in head and "kv_canary violation" not in worker
+    assert re.search(rf"kv-canary: request rid={reply['meta_info']['id']} read KV", head)
+    assert "Traceback" not in head + worker

@@ -304,6 +304,7 @@ class SglangJaxCanary:
         # several processes (sglang-jax's --nnodes): each reads back its own devices' blocks
         self.processes = len({getattr(d, "process_index", 0)
                               for d in np.asarray(runner.mesh.devices).reshape(-1)})
+        self.local_ranks = self._local_ranks()
         self.num_slots = self.layout.geometry.num_slots // self.dp   # each rank's, padding incl.
         self._original = None                        # taken by install()
         self._original_sampler = None
@@ -359,6 +360,16 @@ class SglangJaxCanary:
         axes = self._device_axes
         spec = PartitionSpec(axes if len(axes) > 1 else axes[0]) if axes else PartitionSpec()
         return NamedSharding(self.runner.mesh, spec)
+
+    def _local_ranks(self) -> list:
+        """The data-parallel ranks with a device in this process (every rank in one process)."""
+        if self.processes == 1 or self.dp == 1:
+            return list(range(self.dp))
+        mesh = self.runner.mesh
+        devs = np.moveaxis(np.asarray(mesh.devices), tuple(mesh.axis_names).index(DP_AXIS), 0)
+        here = jax.process_index()
+        return [r for r in range(self.dp)
+                if any(d.process_index == here for d in devs[r].reshape(-1))]
 
     def device_names(self) -> list:
         """Each canary device's label in reports: its ``dp_rank`` (with data-parallel attention),

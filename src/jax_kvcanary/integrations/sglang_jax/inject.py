@@ -126,6 +126,7 @@ import numpy as np
 
 from .canary import LOGGER, radix_chains
 from .layout import batch_lengths, step_arrays, token_table
+from .request_guard import section_on_host
 from .speculative import first_positions
 
 SCHEDULER_KINDS = ("req_to_token_swap", "slot_double_free", "real_kv_unused_cache")
@@ -398,8 +399,12 @@ class FaultInjector:
             return
         if self.spec.kind not in FORWARD_KINDS or step < self.spec.step:
             return
+        if 0 not in self.canary.local_ranks:
+            self.done = True                 # batch row 0's rank is on another node's devices
+            return
         fb = forward_batch
-        host = lambda a: np.asarray(a).astype(np.int64)
+        # batch row 0 is rank 0's first row (data-parallel attention: rank 0's section)
+        host = lambda a: section_on_host(a, 0, self.canary.dp).astype(np.int64)
         draft = self.canary.draft                 # an EAGLE draft model's canary
         arrays = step_arrays(fb, from_attention=draft)   # as the canary plans the step
         _, seq, prefixes, _ = batch_lengths(

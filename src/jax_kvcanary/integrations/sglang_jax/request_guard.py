@@ -74,18 +74,30 @@ def dp_rank_of(obj) -> int:
 
 
 def rank_section(arrays: dict, rank: int, dp: int, replicated=()) -> dict:
-    """Rank ``rank``'s section of a step's arrays (host copies): each array is ``dp`` equal
-    sections, one per rank, as sglang-jax lays out a data-parallel batch; ``replicated`` keys
-    are kept whole."""
+    """Rank ``rank``'s section of a step's arrays, on the host: each array is ``dp`` equal
+    sections, one per rank, as sglang-jax lays out a data-parallel batch (``dp`` 1: the whole
+    array); ``replicated`` keys are kept whole. Read from this process's own shards when the
+    arrays span several processes' devices (the rank's section is on the devices of the rank
+    whose row is being named, which this process read back)."""
     out = {}
     for k, a in arrays.items():
-        if a is None or k in replicated:
-            out[k] = a
-        else:
-            host = np.asarray(a)
-            n = host.shape[0] // dp
-            out[k] = host[rank * n:(rank + 1) * n]
+        out[k] = a if a is None or k in replicated else section_on_host(a, rank, dp)
     return out
+
+
+def section_on_host(a, rank: int, dp: int) -> np.ndarray:
+    """Section ``rank`` of ``dp`` equal sections of ``a``'s first dimension, as numpy: from the
+    whole array, or from a shard of this process that holds it."""
+    n = a.shape[0] // dp
+    lo, hi = rank * n, (rank + 1) * n
+    if getattr(a, "is_fully_addressable", True):
+        return np.asarray(a)[lo:hi]
+    for shard in a.addressable_shards:
+        start = int(shard.index[0].start or 0)
+        stop = int(shard.index[0].stop if shard.index[0].stop is not None else a.shape[0])
+        if start <= lo and hi <= stop:
+            return np.asarray(shard.data)[lo - start:hi - start]
+    raise ValueError(f"kv-canary: section {rank} of a step's arrays is on another process")
 
 
 def running_requests(scheduler) -> List:
@@ -298,6 +310,9 @@ class RequestGuard:
         self.abort = bool(abort)
         self.quarantined: Dict[Tuple[int, int], str] = {}
         self.dp = int(getattr(canary, "dp", 1))
+        #: the data-parallel ranks whose batch sections this process holds (every rank, but on
+        #: several nodes those of its own devices)
+        self.local_ranks = list(getattr(canary, "local_ranks", range(self.dp)))
         self.named: List[str] = []
         self.evicted = 0
         self._rows: List = []                      # violations not yet acted on
@@ -333,7 +348,9 @@ class RequestGuard:
             self._act(req, first, self._describe(vs))
         for s in lost:
             record = self.canary.records.get(s)
-            rps = [] if record is None else np.asarray(record.arrays["req_pool_indices"]).tolist()
+            rps = [] if record is None else np.concatenate([
+                section_on_host(record.arrays["req_pool_indices"], r, self.dp)
+                for r in self.local_ranks]).tolist()
             why = (f"step's violations overflowed the ring ({self.canary.monitor.rows_lost} rows "
                    "lost so far), so every request of that step is named")
             for rp in rps:
@@ -387,8 +404,8 @@ class RequestGuard:
         sweep = [v for v in violations if row_kind(v.row) == "sweep"]
         rows = [v for v in violations if row_kind(v.row) != "sweep"]
         if rows and record is not None:
-            arrays = record.arrays if self.dp == 1 else rank_section(
-                record.arrays, rank, self.dp, replicated=("token_pool", "swa_lut"))
+            arrays = rank_section(record.arrays, rank, self.dp,
+                                  replicated=("token_pool", "swa_lut"))
             hits = named_batch_rows(np.stack([v.row for v in rows]), arrays,
                                     decode=record.decode, page_size=layout.page_size,
                                     aligned=layout.aligned_segments,
