@@ -85,6 +85,26 @@ def test_a_fault_on_node_1_in_mode_raise_ends_both_nodes_with_an_error_to_the_cl
     assert "violation rows recorded on another process's devices" in head, head[-3000:]
 
 
+def test_a_fault_on_node_1_in_mode_abort_aborts_its_request_on_both_nodes(model_dir, tmp_path,
+                                                                          one_process):
+    """Mode ``abort``: node 1 finds the fault, both nodes get its rows at the same gate and
+    abort the same request (node 0's client gets the canary's abort); both serve on, the next
+    request answers as one process."""
+    with nodes(model_dir, tmp_path, "--kv-canary", "abort", *INJECT) as n:
+        reply = n.head.generate(PROMPTS[0], 24)
+        after = n.head.generate(PROMPTS[1], 10)
+        head, worker = n.logs()
+    finish = reply["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and finish["message"].startswith(
+        "kv-canary: request aborted: its KV slot(s) 1 failed"), finish
+    assert after["output_ids"] == one_process[1]
+    rid = reply["meta_info"]["id"]
+    for log in (head, worker):
+        assert f"kv-canary: aborting request rid={rid}" in log, log[-3000:]
+        assert "Traceback" not in log
+    assert {p for _, p in DEVICE_RE.findall(worker)} == {"1"} and "kv_canary violation" not in head
+
+
 @pytest.mark.slow
 def test_a_fault_on_node_1_in_mode_log_is_reported_by_node_1_only(model_dir, tmp_path,
                                                                     one_process):
@@ -97,7 +117,8 @@ def test_a_fault_on_node_1_in_mode_log_is_reported_by_node_1_only(model_dir, tmp
     assert after["output_ids"] == one_process[1]
     assert {p for _, p in DEVICE_RE.findall(worker)} == {"1"}, worker[-3000:]
     assert "kv_canary violation" not in head and "Traceback" not in head + worker
-    assert re.search(rf"kv-canary: request rid={reply['meta_info']['id']} read KV", worker)
+    for log in (head, worker):               # both nodes name it (they share their rows)
+        assert re.search(rf"kv-canary: request rid={reply['meta_info']['id']} read KV", log)
 
 
 @pytest.mark.slow

@@ -403,11 +403,12 @@ def test_unsupported_settings_are_refused_before_start(model_dir, args, refused)
     assert len(lines) == 1 and lines[0].startswith(refused), r.stderr[-2000:]
 
 
-def test_two_nodes_in_mode_abort_are_refused_before_either_process_starts(model_dir):
-    """``--nnodes 2`` in mode ``abort`` (modes ``log`` and ``raise`` are guarded on several
-    nodes: ``test_sglang_jax_nodes``): the two processes of a two-node server (one forced host
+def test_two_nodes_with_what_their_guard_lacks_are_refused_before_either_process_starts(
+        model_dir):
+    """``--nnodes 2`` with the overlap scheduler (several nodes are guarded with the non-overlap
+    one: ``test_sglang_jax_nodes``): the two processes of a two-node server (one forced host
     device each, as the stock server serves it) are each refused before anything starts, with
-    one ``kv-canary:`` line, rather than dying on their first request."""
+    one ``kv-canary:`` line, rather than failing on their first request."""
     import signal
 
     init = free_port()
@@ -427,7 +428,8 @@ def test_two_nodes_in_mode_abort_are_refused_before_either_process_starts(model_
             lines = [ln for ln in err.splitlines() if ln.startswith("kv-canary:")]
             assert proc.returncode == 2, (rank, err[-2000:])
             assert len(lines) == 1 and lines[0].startswith(
-                "kv-canary: --kv-canary abort with --nnodes 2 is not supported"), (rank, err[-2000:])
+                "kv-canary: the overlap scheduler (add --disable-overlap-schedule) with --nnodes 2 "
+                "is not supported"), (rank, err[-2000:])
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -180,10 +180,12 @@ def test_refusals_name_the_setting_and_the_fix():
     got = refusals(server_args(tp_size=2, dp_size=2), log, InjectSpec("cache_loc_off_by_one"))
     assert got and got[0].startswith("kv-canary: --kv-canary-inject cache_loc_off_by_one with "
                                      "--dp-size 2 is not supported"), got
-    assert refusals(server_args(nnodes=2, tp_size=2), log) == []     # several nodes: log, raise
-    assert refusals(server_args(nnodes=2, tp_size=2), log, abort=True)[0].startswith(
-        "kv-canary: --kv-canary abort with --nnodes 2 is not supported")
-    assert refusals(server_args(nnodes=2, tp_size=2), log, InjectSpec("real_kv_used", node=1)) == []
+    nodes = dict(nnodes=2, tp_size=2, disable_overlap_schedule=True)
+    assert refusals(server_args(**nodes), log) == []     # several nodes: guarded
+    assert refusals(server_args(**nodes), log, InjectSpec("real_kv_used", node=1)) == []
+    assert refusals(server_args(nnodes=2, tp_size=2), log)[0].startswith(
+        "kv-canary: the overlap scheduler (add --disable-overlap-schedule) with --nnodes 2 is not "
+        "supported")
     assert dp_refusals(server_args(dp_size=2, speculative_algorithm="EAGLE3"), log, None)[0][0] \
         == "--speculative-algorithm EAGLE3"
     assert dp_refusals(server_args(dp_size=2, disaggregation_mode="decode"), log, None)[0][0] \
@@ -193,7 +195,7 @@ def test_refusals_name_the_setting_and_the_fix():
     cases = [
         (dict(dp_size=2, tp_size=2, hicache_storage="none"),
          "kv-canary: --hicache-storage none with --dp-size 2 is not supported"),
-        (dict(nnodes=2, tp_size=2, enable_metrics=True),
+        (dict(nnodes=2, tp_size=2, enable_metrics=True, disable_overlap_schedule=True),
          "kv-canary: --enable-metrics with --nnodes 2 is not supported"),
         (dict(speculative_algorithm="NEXTN"), "kv-canary: --speculative-algorithm NEXTN is not "
                                               "supported: the canary guards EAGLE and EAGLE3"),

@@ -67,7 +67,7 @@ from ...runtime.config import CanaryConfig, launch_tag
 from ...runtime.endpoints import CanaryEndpoints
 from ...runtime.episodes import EpisodeLog
 from ...runtime.errors import CanaryHealthError, CanaryViolationError
-from ...runtime.monitor import Monitor, counter_snapshot
+from ...runtime.monitor import Monitor, Violation, counter_snapshot
 from ...runtime.multidevice import global_view, local_view
 from ...runtime.sweep import DEFAULT_MIN_CAPACITY, bucket_capacity, build_group_sweep_plans
 from ...state import ViolationLog
@@ -304,7 +304,6 @@ class SglangJaxCanary:
         # several processes (sglang-jax's --nnodes): each reads back its own devices' blocks
         self.processes = len({getattr(d, "process_index", 0)
                               for d in np.asarray(runner.mesh.devices).reshape(-1)})
-        self.local_ranks = self._local_ranks()
         self.num_slots = self.layout.geometry.num_slots // self.dp   # each rank's, padding incl.
         self._original = None                        # taken by install()
         self._original_sampler = None
@@ -314,6 +313,7 @@ class SglangJaxCanary:
         self._sweep_fn = self._build_sweep()
         self._reset_ring_fn = self._build_ring_reset()
         self._pending_sweep = None                   # plans collected on the host, run by a step
+        self._held = []                              # several processes: rows for the next gate
         self._sweep_lock = threading.Lock()
         self.sweeps_from_wrapper = True              # False once a scheduler hook requests them
         self.launch_hooks = []                       # f(schedule_batch), before each launch
@@ -360,16 +360,6 @@ class SglangJaxCanary:
         axes = self._device_axes
         spec = PartitionSpec(axes if len(axes) > 1 else axes[0]) if axes else PartitionSpec()
         return NamedSharding(self.runner.mesh, spec)
-
-    def _local_ranks(self) -> list:
-        """The data-parallel ranks with a device in this process (every rank in one process)."""
-        if self.processes == 1 or self.dp == 1:
-            return list(range(self.dp))
-        mesh = self.runner.mesh
-        devs = np.moveaxis(np.asarray(mesh.devices), tuple(mesh.axis_names).index(DP_AXIS), 0)
-        here = jax.process_index()
-        return [r for r in range(self.dp)
-                if any(d.process_index == here for d in devs[r].reshape(-1))]
 
     def device_names(self) -> list:
         """Each canary device's label in reports: its ``dp_rank`` (with data-parallel attention),
@@ -725,11 +715,36 @@ class SglangJaxCanary:
             if self.warming:
                 return None
             new = self.monitor.flush_through(step)
+            if self.processes > 1:
+                new = self._share_rows(new)
             new += self._recycle_ring()
-            self._after_readback(new)
+            self._after_readback(new, shared=True)
         for hook in self.gate_hooks:
             hook(batch, step)
         return step
+
+    def _share_rows(self, new: list) -> list:
+        """With several processes, at a gate: the rows this process has decoded and not handed on
+        yet (``new`` and the ones held by ``_after_readback``), with every other process's, so
+        that every process's ``violation_hooks`` (the request guard) get the same rows at the same
+        gate. Two collectives, run when the launch's total of every device's rows (the same
+        number on every process at this gate) says there are rows; [] otherwise."""
+        held, self._held = self._held + list(new), []
+        if self.monitor.everywhere == 0:
+            return held
+        from jax.experimental import multihost_utils
+
+        mine = np.array([[*v.row, -1 if v.device is None else v.device, v.launch_step or 0]
+                         for v in held], np.int64).reshape(-1, 10)
+        counts = np.asarray(multihost_utils.process_allgather(
+            np.array([mine.shape[0]], np.int64))).reshape(-1)
+        padded = np.zeros((max(1, int(counts.max())), 10), np.int64)
+        padded[:mine.shape[0]] = mine
+        every = np.asarray(multihost_utils.process_allgather(padded))
+        others = [Violation(r[:8].copy(), "", self.monitor.steps, i, 0, 0, int(r[8]), int(r[9]))
+                  for p in range(every.shape[0]) if p != jax.process_index()
+                  for i, r in enumerate(every[p, :int(counts[p])])]
+        return held + others
 
     def report_host_rows(self, rows) -> list:
         """Report rows found on the host (a check of KV that left the device, e.g. the HiCache
@@ -749,9 +764,14 @@ class SglangJaxCanary:
             self.tokens.after_sample(*rows, out[0])
         return out
 
-    def _after_readback(self, new) -> None:
+    def _after_readback(self, new, shared: bool = False) -> None:
         """After a readback (the monitor's lock held): hand its new violations to the
-        ``violation_hooks``, and bring the metrics up to date if the counters were read."""
+        ``violation_hooks``, and bring the metrics up to date if the counters were read. With
+        several processes, rows decoded outside a gate are held for the next gate's
+        ``_share_rows`` (``shared``: these are a gate's shared rows)."""
+        if self.processes > 1 and not shared:
+            self._held += list(new)
+            new = []
         if new:
             for hook in self.violation_hooks:
                 hook(new)

@@ -399,11 +399,9 @@ class FaultInjector:
             return
         if self.spec.kind not in FORWARD_KINDS or step < self.spec.step:
             return
-        if 0 not in self.canary.local_ranks:
-            self.done = True                 # batch row 0's rank is on another node's devices
-            return
         fb = forward_batch
-        # batch row 0 is rank 0's first row (data-parallel attention: rank 0's section)
+        # batch row 0 is rank 0's first row (data-parallel attention: rank 0's section; on
+        # several nodes every process reads it, and --kv-canary-inject-node plants it)
         host = lambda a: section_on_host(a, 0, self.canary.dp).astype(np.int64)
         draft = self.canary.draft                 # an EAGLE draft model's canary
         arrays = step_arrays(fb, from_attention=draft)   # as the canary plans the step

@@ -73,8 +73,7 @@ def main(argv=None) -> int:
     from .server import guard_engine, model_refusals, refusals
 
     server_args = ServerArgs.from_cli(rest)
-    refused = (refusals(server_args, config, inject, abort=aborts(ns))
-               or model_refusals(server_args, config, inject))
+    refused = refusals(server_args, config, inject) or model_refusals(server_args, config, inject)
     if refused:
         for line in refused:
             print(line, file=sys.stderr)

@@ -74,11 +74,9 @@ def dp_rank_of(obj) -> int:
 
 
 def rank_section(arrays: dict, rank: int, dp: int, replicated=()) -> dict:
-    """Rank ``rank``'s section of a step's arrays, on the host: each array is ``dp`` equal
-    sections, one per rank, as sglang-jax lays out a data-parallel batch (``dp`` 1: the whole
-    array); ``replicated`` keys are kept whole. Read from this process's own shards when the
-    arrays span several processes' devices (the rank's section is on the devices of the rank
-    whose row is being named, which this process read back)."""
+    """Rank ``rank``'s section of a step's arrays, on the host (``section_on_host``): each
+    array is ``dp`` equal sections, one per rank, as sglang-jax lays out a data-parallel batch
+    (``dp`` 1: the whole array); ``replicated`` keys are kept whole."""
     out = {}
     for k, a in arrays.items():
         out[k] = a if a is None or k in replicated else section_on_host(a, rank, dp)
@@ -86,18 +84,18 @@ def rank_section(arrays: dict, rank: int, dp: int, replicated=()) -> dict:
 
 
 def section_on_host(a, rank: int, dp: int) -> np.ndarray:
-    """Section ``rank`` of ``dp`` equal sections of ``a``'s first dimension, as numpy: from the
-    whole array, or from a shard of this process that holds it."""
+    """Section ``rank`` of ``dp`` equal sections of ``a``'s first dimension, as numpy. An array
+    that spans several processes' devices is gathered from all of them (a collective: every
+    process calls this for the same arrays in the same order, which the canary's shared rows
+    ensure, ``SglangJaxCanary._share_rows``)."""
     n = a.shape[0] // dp
-    lo, hi = rank * n, (rank + 1) * n
     if getattr(a, "is_fully_addressable", True):
-        return np.asarray(a)[lo:hi]
-    for shard in a.addressable_shards:
-        start = int(shard.index[0].start or 0)
-        stop = int(shard.index[0].stop if shard.index[0].stop is not None else a.shape[0])
-        if start <= lo and hi <= stop:
-            return np.asarray(shard.data)[lo - start:hi - start]
-    raise ValueError(f"kv-canary: section {rank} of a step's arrays is on another process")
+        host = np.asarray(a)
+    else:
+        from jax.experimental import multihost_utils
+
+        host = np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    return host[rank * n:(rank + 1) * n]
 
 
 def running_requests(scheduler) -> List:
@@ -310,9 +308,6 @@ class RequestGuard:
         self.abort = bool(abort)
         self.quarantined: Dict[Tuple[int, int], str] = {}
         self.dp = int(getattr(canary, "dp", 1))
-        #: the data-parallel ranks whose batch sections this process holds (every rank, but on
-        #: several nodes those of its own devices)
-        self.local_ranks = list(getattr(canary, "local_ranks", range(self.dp)))
         self.named: List[str] = []
         self.evicted = 0
         self._rows: List = []                      # violations not yet acted on
@@ -348,9 +343,8 @@ class RequestGuard:
             self._act(req, first, self._describe(vs))
         for s in lost:
             record = self.canary.records.get(s)
-            rps = [] if record is None else np.concatenate([
-                section_on_host(record.arrays["req_pool_indices"], r, self.dp)
-                for r in self.local_ranks]).tolist()
+            rps = [] if record is None else section_on_host(
+                record.arrays["req_pool_indices"], 0, 1).tolist()
             why = (f"step's violations overflowed the ring ({self.canary.monitor.rows_lost} rows "
                    "lost so far), so every request of that step is named")
             for rp in rps:

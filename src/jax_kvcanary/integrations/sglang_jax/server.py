@@ -37,15 +37,14 @@ from .layout import ATTENTION_BACKENDS
 from .metrics import PrometheusCounters, protected_tokens
 
 
-def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = None,
-             abort: bool = False) -> List[str]:
+def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = None
+             ) -> List[str]:
     """The ``kv-canary:`` lines of every setting the canary cannot cover (empty: it can start).
 
     Args:
       server_args: sglang-jax's parsed ``ServerArgs``.
       config: the canary's ``CanaryConfig`` (mode ``'none'`` refuses nothing).
       inject: the fault to plant, or None.
-      abort: mode ``abort`` (``flags.aborts``).
     """
     if not config.enabled:
         return []
@@ -56,7 +55,7 @@ def refusals(server_args, config: CanaryConfig, inject: Optional[InjectSpec] = N
 
     off = "or run with --kv-canary none"
     a = server_args
-    for setting, why in node_refusals(a, config, inject, abort):
+    for setting, why in node_refusals(a, config, inject):
         refuse(f"{setting} with --nnodes {a.nnodes}", why, f"serve from one node (--nnodes 1), "
                f"{off}")
     for setting, why in dp_refusals(a, config, inject):
@@ -158,19 +157,18 @@ def _not_guarded_at_scale(a, config: CanaryConfig, inject: Optional[InjectSpec],
     return out
 
 
-def node_refusals(a, config: CanaryConfig, inject: Optional[InjectSpec],
-                  abort: bool) -> List[tuple]:
+def node_refusals(a, config: CanaryConfig, inject: Optional[InjectSpec]) -> List[tuple]:
     """``(setting, why)`` of what is not guarded on several nodes (``--nnodes`` > 1, one process
-    each) yet: modes ``log`` and ``raise`` are, each process reading back its own devices and
-    every process deciding on the rows of all of them at the same step (``canary``)."""
+    each) yet: every mode is, each process reading back its own devices and every process
+    deciding on the rows of all of them at the same step (``canary``)."""
     if int(getattr(a, "nnodes", 1) or 1) == 1:
         return []
     out = []
-    if abort:
-        out.append(("--kv-canary abort", "a process names requests from its own devices' rows, "
-                    "and every process must abort the same ones"))
     if getattr(a, "enable_metrics", False):
         out.append(("--enable-metrics", "node 0's /metrics would count its own devices only"))
+    if not getattr(a, "disable_overlap_schedule", False):
+        out.append(("the overlap scheduler (add --disable-overlap-schedule)",
+                    "it has not run guarded on several nodes"))
     return out + _not_guarded_at_scale(a, config, inject, "on several nodes")
 
 
