@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.sglang_nodes import Nodes
 from tests.support.sglang_server import (PROMPTS, TINY_ENGINE_ARGS, installed_sglang_jax,
-                                         mixed_requests, unguarded_answers)
+                                         mixed_requests, scrape, unguarded_answers)
 from tests.support.tiny_qwen2 import write_tiny_qwen2
 
 pytestmark = pytest.mark.integration
@@ -108,11 +108,20 @@ def test_a_fault_on_node_1_in_mode_abort_aborts_its_request_on_both_nodes(model_
 @pytest.mark.slow
 def test_a_fault_on_node_1_in_mode_log_is_reported_by_node_1_only(model_dir, tmp_path,
                                                                     one_process):
-    with nodes(model_dir, tmp_path, "--kv-canary", "log", *INJECT) as n:
+    """Mode ``log``, ``--enable-metrics``: node 1 reports the fault, both nodes name its request
+    and serve on, and node 0's ``/metrics`` counts every node's rows and slots (node 0's own
+    devices found nothing)."""
+    with nodes(model_dir, tmp_path, "--kv-canary", "log", "--enable-metrics", *INJECT) as n:
         reply = n.head.generate(PROMPTS[0], 24)
         after = n.head.generate(PROMPTS[1], 10)
+        n.head.generate(PROMPTS[2], 40)          # past the 64th step: the counters are shared
         time.sleep(1.0)
         head, worker = n.logs()
+        metrics = scrape(n.head)
+    rows = metrics.get(("kv_canary_violations_total",
+                        (("reason", "verify_real_kv_hash"), ("tag", "TAIL_K_FULL"))), 0)
+    assert rows >= 1, metrics
+    assert metrics[("kv_canary_slots_written_total", (("tag", "HEAD_K_FULL"),))] > 0, metrics
     assert reply["meta_info"]["finish_reason"]["type"] == "length"
     assert after["output_ids"] == one_process[1]
     assert {p for _, p in DEVICE_RE.findall(worker)} == {"1"}, worker[-3000:]

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from tests.support.sglang_server import (LAUNCHER, PREFIX_HIT, PROMPTS, TINY_ENGINE_ARGS, Server,
-                                         free_port, installed_sglang_jax)
+                                         free_port, installed_sglang_jax, scrape)
 from tests.support.tiny_qwen2 import write_tiny_qwen2
 
 pytestmark = pytest.mark.integration
@@ -265,16 +265,6 @@ def test_a_violation_of_the_last_step_before_idle_is_reported_within_a_second(mo
             time.sleep(0.05)
         assert srv.reports(), f"no report within 1 s of idling:\n{srv.log_tail()}"
         assert any("write_position" in why for _, why, _, _ in srv.reports())
-
-
-def scrape(srv) -> dict:
-    """sglang-jax's ``/metrics``, parsed by prometheus_client: ``{(name, labels): value}`` of the
-    ``kv_canary_*`` samples."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(srv.get("/metrics"))
-            for s in fam.samples if s.name.startswith("kv_canary_")}
 
 
 def test_metrics_endpoint_and_stats_line(model_dir, tmp_path):

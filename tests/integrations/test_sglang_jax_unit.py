@@ -195,8 +195,8 @@ def test_refusals_name_the_setting_and_the_fix():
     cases = [
         (dict(dp_size=2, tp_size=2, hicache_storage="none"),
          "kv-canary: --hicache-storage none with --dp-size 2 is not supported"),
-        (dict(nnodes=2, tp_size=2, enable_metrics=True, disable_overlap_schedule=True),
-         "kv-canary: --enable-metrics with --nnodes 2 is not supported"),
+        (dict(nnodes=2, tp_size=2, disable_overlap_schedule=True, hicache_storage="none"),
+         "kv-canary: --hicache-storage none with --nnodes 2 is not supported"),
         (dict(speculative_algorithm="NEXTN"), "kv-canary: --speculative-algorithm NEXTN is not "
                                               "supported: the canary guards EAGLE and EAGLE3"),
         (dict(enable_lora=True), "kv-canary: --enable-lora is not supported"),

@@ -203,6 +203,16 @@ class Server:
                                              "max_tokens": max_tokens, "temperature": 0})
 
 
+def scrape(srv) -> dict:
+    """sglang-jax's ``/metrics``, parsed by prometheus_client: ``{(name, labels): value}`` of the
+    ``kv_canary_*`` samples."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(srv.get("/metrics"))
+            for s in fam.samples if s.name.startswith("kv_canary_")}
+
+
 def check_acted_on(mode: str, reply: dict, log: str) -> None:
     """A reply whose request read KV the canary reported: aborted with the canary's message (mode
     ``abort``), or its request named in the server ``log`` (mode ``log``)."""

@@ -279,6 +279,12 @@ class Monitor:
             self.counters = dataclasses.replace(self.counters, write_index=np.zeros_like(wi))
 
     @property
+    def local_devices(self) -> Optional[list]:
+        """The index in the state of each device block this process decoded last (None before
+        the first decode): every device, or with ``all_processes`` this process's own."""
+        return self._local
+
+    @property
     def ring_has_rows(self) -> bool:
         """Whether rows were recorded since the ring was last reset (decoded or lost); with
         ``all_processes``, on any process's devices."""

@@ -717,6 +717,11 @@ class SglangJaxCanary:
             new = self.monitor.flush_through(step)
             if self.processes > 1:
                 new = self._share_rows(new)
+                every = self.monitor.counters_interval
+                if self.metrics is not None and every and step % every == 0:
+                    # every process's counters of this step, summed on every process (node 0
+                    # serves them on /metrics)
+                    self.metrics.update(CanaryTotals.everywhere(self), self.protected_tokens())
             new += self._recycle_ring()
             self._after_readback(new, shared=True)
         for hook in self.gate_hooks:
@@ -775,7 +780,8 @@ class SglangJaxCanary:
         if new:
             for hook in self.violation_hooks:
                 hook(new)
-        if self.metrics is not None and self.monitor.counters is not self._seen_counters:
+        if (self.metrics is not None and self.processes == 1
+                and self.monitor.counters is not self._seen_counters):
             self._seen_counters = self.monitor.counters
             self.metrics.update(CanaryTotals.read(self), self.protected_tokens())
 

@@ -39,7 +39,8 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from ...consts import tag_name
+from ...consts import (NUM_LAUNCH_TAGS, FailReason, HostCheckTag, LaunchTag, fail_reason_label,
+                       tag_name)
 
 #: steps between full readbacks of the device counters when metrics are on
 COUNTERS_INTERVAL = 64
@@ -58,12 +59,25 @@ def protected_tokens(allocator) -> int:
 HOST_PAGE_COUNTS = ("exported", "imported", "skipped", "checked")
 
 
-def per_rank(counts: np.ndarray, tp: int) -> np.ndarray:
-    """``int64[T]``: per-device counts ``[D, T]`` (rank-major, ``tp`` devices per data-parallel
-    rank) summed over the ranks, one tensor-parallel device each (a rank's devices check the
-    same slots, each on its own heads: a slot counts once)."""
+def per_rank(counts: np.ndarray, tp: int, devices=None, tensor_zero: bool = False) -> np.ndarray:
+    """``int64[T]``: per-device counts ``[L, T]`` of the devices ``devices`` (their indices in the
+    canary state, rank-major, ``tp`` devices per data-parallel rank; default ``0 .. L-1``) summed
+    over the ranks, one device each (a rank's devices check the same slots, each on its own
+    heads: a slot counts once): the first of each rank here, or with ``tensor_zero`` its tensor
+    device 0 only (on several processes: summed over them, each rank is counted once)."""
     c = np.asarray(counts)
-    return c.reshape(-1, tp, c.shape[-1])[:, 0].sum(axis=0)
+    idx = np.arange(c.shape[0]) if devices is None else np.asarray(devices)
+    if tensor_zero:
+        keep = idx % tp == 0
+    else:
+        keep = np.zeros(idx.shape[0], bool)
+        keep[np.unique(idx // tp, return_index=True)[1]] = True
+    return c[keep].sum(axis=0)
+
+
+#: the (tag, reason) keys of the violation counts a process shares with the others
+SHARED_VIOLATION_KEYS = [(t.name, fail_reason_label(int(r)))
+                         for t in (*LaunchTag, *HostCheckTag) for r in FailReason]
 
 
 class CanaryTotals:
@@ -82,7 +96,8 @@ class CanaryTotals:
         self.pd: Dict[str, int] = {}              # PD: requests, slots (sent or received)
 
     @classmethod
-    def read(cls, canary) -> "CanaryTotals":
+    def read(cls, canary, tensor_zero: bool = False) -> "CanaryTotals":
+        """The canary's totals: its own devices' counters (``per_rank``)."""
         t = cls()
         m = canary.monitor
         t.steps, t.sweeps = int(canary.steps), int(canary.sweeps)
@@ -96,11 +111,31 @@ class CanaryTotals:
             t.pd_side = transfer.role
             t.pd = {"requests": int(transfer.requests), "slots": int(transfer.slots)}
         if m.counters is not None:
-            tp = int(getattr(canary, "tp", 1))
-            ver, wr = (per_rank(m.counters.verified, tp), per_rank(m.counters.written, tp))
-            for tag in np.flatnonzero(per_rank(m.counters.slot_runs, tp)):
+            tp, here = int(getattr(canary, "tp", 1)), m.local_devices
+            count = lambda c: per_rank(c, tp, here, tensor_zero)
+            ver, wr = count(m.counters.verified), count(m.counters.written)
+            for tag in np.flatnonzero(count(m.counters.slot_runs)):
                 t.verified[tag_name(int(tag))] = int(ver[tag])
                 t.written[tag_name(int(tag))] = int(wr[tag])
+        return t
+
+    @classmethod
+    def everywhere(cls, canary) -> "CanaryTotals":
+        """With several processes: the totals of every process's devices (each rank's slots
+        counted once, every device's rows), the same on every process. A collective: call it at
+        the same step on every process."""
+        from jax.experimental import multihost_utils
+
+        t = cls.read(canary, tensor_zero=True)
+        tags = [tag_name(k) for k in range(NUM_LAUNCH_TAGS)]
+        mine = np.concatenate([[t.verified.get(k, 0) for k in tags],
+                               [t.written.get(k, 0) for k in tags],
+                               [t.violations.get(k, 0) for k in SHARED_VIOLATION_KEYS]])
+        total = np.asarray(multihost_utils.process_allgather(mine.astype(np.int64))).sum(axis=0)
+        n = len(tags)
+        t.verified = {k: int(v) for k, v, w in zip(tags, total[:n], total[n:2 * n]) if v or w}
+        t.written = {k: int(total[n + i]) for i, k in enumerate(tags) if k in t.verified}
+        t.violations = {k: int(v) for k, v in zip(SHARED_VIOLATION_KEYS, total[2 * n:]) if v}
         return t
 
     @property

@@ -164,8 +164,6 @@ def node_refusals(a, config: CanaryConfig, inject: Optional[InjectSpec]) -> List
     if int(getattr(a, "nnodes", 1) or 1) == 1:
         return []
     out = []
-    if getattr(a, "enable_metrics", False):
-        out.append(("--enable-metrics", "node 0's /metrics would count its own devices only"))
     if not getattr(a, "disable_overlap_schedule", False):
         out.append(("the overlap scheduler (add --disable-overlap-schedule)",
                     "it has not run guarded on several nodes"))
