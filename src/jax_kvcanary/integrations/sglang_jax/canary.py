@@ -733,7 +733,8 @@ class SglangJaxCanary:
         yet (``new`` and the ones held by ``_after_readback``), with every other process's, so
         that every process's ``violation_hooks`` (the request guard) get the same rows at the same
         gate. Two collectives, run when the launch's total of every device's rows (the same
-        number on every process at this gate) says there are rows; [] otherwise."""
+        number on every process at this gate) says there are rows; without rows anywhere, only
+        this process's held rows (none) are returned."""
         held, self._held = self._held + list(new), []
         if self.monitor.everywhere == 0:
             return held
