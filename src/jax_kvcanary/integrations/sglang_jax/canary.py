@@ -72,8 +72,8 @@ from ...runtime.multidevice import global_view, local_view
 from ...runtime.sweep import DEFAULT_MIN_CAPACITY, bucket_capacity, build_group_sweep_plans
 from ...state import ViolationLog
 from .request_guard import batch_requests, dp_rank_of
-from .layout import (LegacyRunner, page_table_batch, replicated, runner_layout, step_arrays,
-                     table_entries)
+from .layout import (REPLICATED_ARRAYS, LegacyRunner, page_table_batch, replicated,
+                     runner_layout, step_arrays, table_entries)
 from .metrics import COUNTERS_INTERVAL, CanaryTotals, PrometheusCounters
 from .tokens import TokenMirror, with_intended_tokens
 
@@ -126,8 +126,6 @@ SWEPT_GROUPS = ("FULL",)
 TP_AXIS = "tensor"
 #: the engine's data-parallel attention axis (slots and batch sections per rank, ``--dp-size``)
 DP_AXIS = "data"
-#: step arrays that are not per-rank sections of the batch (replicated on every device)
-REPLICATED_ARRAYS = ("token_pool", "swa_lut")
 
 #: elements of the ``cost_hint`` reduction: XLA:CPU runs a program it estimates at fewer than
 #: 1000 flops in the thread that dispatches it, and it cannot cost custom calls

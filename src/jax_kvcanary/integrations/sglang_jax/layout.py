@@ -164,6 +164,10 @@ def segment_starts(seq_lens, page_size: int, aligned: bool):
     return jnp.cumsum(span) - span
 
 
+#: step arrays that are not per-rank sections of a data-parallel batch (the same on every rank)
+REPLICATED_ARRAYS = ("token_pool", "swa_lut")
+
+
 def replicated(mesh):
     """Inside the jit: an int32 copy of a batch array, replicated over ``mesh`` (sglang-jax shards
     its batch arrays over the ``data`` axis; the canary's plan reads every row). ``mesh=None``:

@@ -133,8 +133,10 @@ class CanaryTotals:
                                [t.violations.get(k, 0) for k in SHARED_VIOLATION_KEYS]])
         total = np.asarray(multihost_utils.process_allgather(mine.astype(np.int64))).sum(axis=0)
         n = len(tags)
-        t.verified = {k: int(v) for k, v, w in zip(tags, total[:n], total[n:2 * n]) if v or w}
-        t.written = {k: int(total[n + i]) for i, k in enumerate(tags) if k in t.verified}
+        ver, wr = total[:n], total[n:2 * n]
+        seen = [i for i in range(n) if ver[i] or wr[i]]
+        t.verified = {tags[i]: int(ver[i]) for i in seen}
+        t.written = {tags[i]: int(wr[i]) for i in seen}
         t.violations = {k: int(v) for k, v in zip(SHARED_VIOLATION_KEYS, total[2 * n:]) if v}
         return t
 

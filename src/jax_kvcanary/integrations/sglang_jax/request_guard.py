@@ -43,7 +43,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ...consts import FailReason, IndexKind, LaunchTag
-from .layout import batch_lengths, entry_rows, row_starts, token_table, written_slots
+from .layout import (REPLICATED_ARRAYS, batch_lengths, entry_rows, row_starts, token_table,
+                     written_slots)
 
 #: how many named slots one abort message lists
 MESSAGE_SLOTS = 4
@@ -398,8 +399,7 @@ class RequestGuard:
         sweep = [v for v in violations if row_kind(v.row) == "sweep"]
         rows = [v for v in violations if row_kind(v.row) != "sweep"]
         if rows and record is not None:
-            arrays = rank_section(record.arrays, rank, self.dp,
-                                  replicated=("token_pool", "swa_lut"))
+            arrays = rank_section(record.arrays, rank, self.dp, replicated=REPLICATED_ARRAYS)
             hits = named_batch_rows(np.stack([v.row for v in rows]), arrays,
                                     decode=record.decode, page_size=layout.page_size,
                                     aligned=layout.aligned_segments,
