@@ -105,18 +105,21 @@ def test_clean_run_no_violation_same_tokens_no_recompile(engine):
         assert counters.kernel_runs[0, tag] > 0
         assert counters.verified[0, tag] > 0, tag.name
     assert c.sweeps >= 3 and c.monitor.health.checks >= 1
-    # the canary's launch compiles once per engine bucket (EXTEND and DECODE), however many steps
-    assert c._check_fn._cache_size() == 2
+    # the checks run in the engine's own program (fused), compiled once per engine bucket
+    # (EXTEND and DECODE), however many steps; the separate launch is never compiled
+    assert c.fused and c._fused[1]._cache_size() == 2 and c._check_fn._cache_size() == 0
     out2, c = serve(engine)
-    assert out2 == engine.reference and c._check_fn._cache_size() == 2
+    assert out2 == engine.reference and c._fused[1]._cache_size() == 2
 
 
 def test_canary_state_donated_and_kv_read_in_place(engine):
-    """The canary's launch aliases every canary state buffer to its output (no copy) and reads
-    layer 0's KV buffer in place (the engine's own call donates the KV pool, as without the
-    canary)."""
+    """The step's one program (the engine's model call and the canary's checks) aliases every
+    canary state buffer and every layer's KV buffer to its outputs (both donated, no copy), and
+    the canary reads layer 0's KV in place; the separate launch (kept for runners whose jit
+    cannot be wrapped) aliases the canary state and reads the KV in place too."""
     import re
 
+    from sgl_jax.srt.layers.logits_processor import LogitsMetadata
     from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch
 
     from jax_kvcanary.integrations.sglang_jax.layout import step_arrays
@@ -128,12 +131,20 @@ def test_canary_state_donated_and_kv_read_in_place(engine):
     batch.prepare_for_decode()
     mwb = batch.get_model_worker_batch(*engine.paddings, 1)
     fb = ForwardBatch.init_new(mwb, engine.runner)
+    n_state = len(jax.tree_util.tree_leaves(c.state))
+    kv_shape = "f32[" + ",".join(map(str, engine.kv_buffer[0].shape)) + "]"
+    aot, step = c._fused
+    hlo = step.lower(aot.leaves(), fb, c.layout.donated_pool(),
+                     LogitsMetadata.from_model_worker_batch(mwb, engine.runner.mesh), c.state,
+                     {}).compile().as_text()
+    header = hlo.splitlines()[0]
+    n_kv = len(jax.tree_util.tree_leaves(c.layout.donated_pool()))
+    assert len(re.findall(r"may-alias|must-alias", header)) == n_state + n_kv, header[:400]
+    assert not re.search(re.escape(kv_shape) + r"\S* copy\(", hlo)
     hlo = c._check_fn.lower(c.state, step_arrays(fb), {"FULL": engine.kv_buffer[0]},
                             decode=True).compile().as_text()
     header = hlo.splitlines()[0]
-    n_state = len(jax.tree_util.tree_leaves(c.state))
     assert len(re.findall(r"may-alias|must-alias", header)) == n_state, header[:400]
-    kv_shape = "f32[" + ",".join(map(str, engine.kv_buffer[0].shape)) + "]"
     assert not re.search(re.escape(kv_shape) + r"\S* copy\(", hlo)
 
 

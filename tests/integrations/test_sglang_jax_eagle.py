@@ -138,7 +138,8 @@ DRAFT_REPORT = re.compile(r"draft model: kv_canary violation: launch_tag=(\S+) "
 
 @pytest.mark.parametrize("kind, group, reasons", [
     ("real_kv_used", ["--kv-canary-inject-group", "DRAFT"], {"verify_real_kv_hash"}),
-    ("req_to_token_swap", ["--kv-canary-inject-group", "DRAFT"], {"verify_position"}),
+    pytest.param("req_to_token_swap", ["--kv-canary-inject-group", "DRAFT"], {"verify_position"},
+                 marks=pytest.mark.slow),
     ("spec_rejected_foreign_write", [], {"verify_position", "verify_chain_hash"}),
     ("draft_pool_short", [], {"index_out_of_range"}),
 ])

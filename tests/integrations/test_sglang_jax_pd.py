@@ -74,7 +74,9 @@ def test_pd_is_guarded_with_the_stock_tokens(model_dir, stock, tmp_path):
     assert sent[("slots", "prefill")] == received[("slots", "decode")] > len(PROMPTS)
 
 
-@pytest.mark.parametrize("kind,mode", [("pd_zero_slot", "abort"), ("pd_page_shift", "abort"),
+@pytest.mark.parametrize("kind,mode", [("pd_zero_slot", "abort"),
+                                       pytest.param("pd_page_shift", "abort",
+                                                    marks=pytest.mark.slow),
                                        ("pd_early_reuse", "log")])
 def test_kv_damaged_in_a_transfer_is_reported_on_the_decode_side(model_dir, stock, tmp_path,
                                                                  kind, mode):

@@ -11,6 +11,7 @@ launcher plants (``--kv-canary-inject``) in the server's log within two steps. S
 by their process group.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -22,6 +23,7 @@ import pytest
 
 from tests.support.sglang_server import (LAUNCHER, PREFIX_HIT, PROMPTS, TINY_ENGINE_ARGS, Server,
                                          free_port, installed_sglang_jax, scrape)
+from tests.support import program_count
 from tests.support.tiny_qwen2 import write_tiny_qwen2
 
 pytestmark = pytest.mark.integration
@@ -38,6 +40,8 @@ CHUNK = 64
 ABORT_TOKENS = 24
 #: the write-input assert and the token check (the scheduler's intended tokens, on the device)
 TOKEN_FLAGS = ("--kv-canary-write-input-assert", "--kv-canary-token-check")
+#: the launcher with each engine step's XLA programs counted (``tests.support.program_count``)
+COUNTING_LAUNCHER = "tests.support.launch_counting_programs"
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +90,37 @@ def assert_clean(srv, outs, metas, reference):
     assert "Traceback" not in log
 
 
+class CountedSteps:
+    """A server of the launcher that counts each engine step's XLA programs
+    (``tests.support.program_count``): ``start()`` / ``stop()`` counting, ``steps()`` read."""
+
+    def __init__(self, model_dir, tmp_path, *args, name):
+        self.path = str(tmp_path / f"{name}-steps.jsonl")
+        self.server = Server(["--model-path", model_dir, *TINY_ENGINE_ARGS, *args],
+                             str(tmp_path / f"{name}.log"), module=COUNTING_LAUNCHER,
+                             env={program_count.PATH_ENV: self.path})
+
+    def start(self):
+        open(self.path + ".on", "w").close()
+
+    def stop(self):
+        os.remove(self.path + ".on")
+
+    def steps(self) -> list:
+        with open(self.path) as f:
+            return [json.loads(line) for line in f]
+
+
 @pytest.fixture(scope="module")
 def reference(model_dir, tmp_path_factory):
     """The stock server (``--kv-canary none``, the non-overlap scheduler): the outputs of the
-    sequential and the batched requests."""
-    tmp = tmp_path_factory.mktemp("stock")
-    with server(model_dir, tmp, "--kv-canary", "none", "--disable-overlap-schedule",
-                name="stock") as srv:
+    sequential and the batched requests, and each of their steps' programs and model outputs."""
+    counted = CountedSteps(model_dir, tmp_path_factory.mktemp("stock"), "--kv-canary", "none",
+                           "--disable-overlap-schedule", name="stock")
+    with counted.server as srv:
+        counted.start()
         seq, seq_meta = sequential(srv)
+        counted.stop()
         both, both_meta = batched(srv)
         alone = [srv.generate(p, ABORT_TOKENS)["output_ids"] for p in PROMPTS[:3]]
         log = srv.log()
@@ -101,7 +128,29 @@ def reference(model_dir, tmp_path_factory):
     assert seq_meta[1]["cached_tokens"] > 0                         # the prefix hit
     assert seq_meta[2]["prompt_tokens"] > 2 * CHUNK                 # chunked prefill
     assert [m["cache_miss_count"] for m in seq_meta + both_meta] == [0] * 5
-    return {"sequential": seq, "batched": both, "alone": alone}
+    return {"sequential": seq, "batched": both, "alone": alone, "steps": counted.steps()}
+
+
+def test_one_program_per_step_with_the_same_model_outputs(model_dir, tmp_path, reference):
+    """Guarded, the checks run in the engine's own step program: every step of the sequential
+    requests (prefills, a prefix hit, chunks, decodes) executes as many XLA programs as the stock
+    server's same step, and its next-token logits and sampled ids are the same bytes. (Sweeps,
+    off here, are one more program every sweep interval. The batched requests are not counted:
+    whether their prompts reach the scheduler in one batch or two is a matter of timing.)"""
+    counted = CountedSteps(model_dir, tmp_path, "--kv-canary", "log",
+                           "--disable-overlap-schedule", name="guarded")
+    with counted.server as srv:
+        counted.start()
+        outs, metas = sequential(srv)
+        counted.stop()
+        assert_clean(srv, outs, metas, reference["sequential"])
+        outs, metas = batched(srv)
+        assert_clean(srv, outs, metas, reference["batched"])
+        assert "checks in the engine's step program" in srv.log()
+    steps, stock = counted.steps(), reference["steps"]
+    assert [s["mode"] for s in stock].count("DECODE") >= 30 and all(
+        s["programs"] > 0 for s in stock)
+    assert steps == stock
 
 
 def test_overlap_scheduler_same_text_no_violation(model_dir, tmp_path, reference):

@@ -3,12 +3,15 @@
 **What is wrapped, and why.** Exactly one thing, on the one ``ModelRunner`` instance passed in:
 ``model_runner.jitted_run_model``, the instance attribute that ``ModelRunner.initialize_jit`` sets
 to a Python wrapper around the runner's ``jax.jit``-compiled model call and that
-``ModelRunner._forward`` calls once per step. ``install`` replaces it by a wrapper that calls the
-engine's own ``jitted_run_model`` and then one jitted canary launch on what the step read and
-wrote. The model call itself is the engine's, unchanged: the same compiled program, the same
-numbers, the same donation of the KV pool. The wrapper returns what the original returned, so
-``_forward``, sampling and the scheduler run unchanged; ``uninstall()`` puts the original back.
-The launch donates the canary state and is dispatched asynchronously, as the model call is.
+``ModelRunner._forward`` calls once per step. ``install`` replaces it by a wrapper that runs the
+engine's model call and the canary's launch on what the step read and wrote. Where the engine's
+wrapper is sglang-jax's (main and 0.0.2), the two are one program (``fused``): the function the
+engine jits, traced as it is, then the launch, jitted together with the KV pool and the canary
+state donated, so a guarded step dispatches as many programs as an unguarded one and the model's
+numbers are the same. Elsewhere (sglang-jax's opt-in AOT dispatcher) the engine's own call runs
+unchanged and one jitted canary launch follows it. Either way the wrapper returns what the
+original returned, so ``_forward``, sampling and the scheduler run unchanged; ``uninstall()``
+puts the original back. Both are dispatched asynchronously, as the model call is.
 
 **What the launch checks.** The plan is made on the device from the step's own page table
 (``forward_batch.cache_loc``, the slots attention read: ``layout.page_table_batch``), so nothing is
@@ -37,7 +40,9 @@ that it and the scheduler hook fill (see ``tokens``).
 **Sweeps** of the prefix cache (``config.sweep_interval``) are collected on the host where the
 scheduler's radix tree is consistent (``request_sweep``, called by the scheduler hook of
 ``install_into_scheduler`` before it launches a batch, or by the wrapper itself when there is no
-scheduler hook) and run by the next step's launch, on layer 0's KV as that forward left it.
+scheduler hook) and run by the next step as a program of their own (one more program every
+``sweep_interval`` steps), on layer 0's KV as the forward before it left it (after the forward
+with the separate launch).
 
 **Reporting.** After each step the wrapper starts the canary's one-step-lag readback
 (``Monitor``): mode ``log`` logs each new violation (``logging.getLogger('jax_kvcanary')``),
@@ -45,7 +50,7 @@ mode ``raise`` hands the engine the step's KV buffers (``store_kv``, so it is no
 donated arrays) and raises ``CanaryViolationError``.
 
 **Compiles.** ``precompile(engine_precompile)`` runs the engine's own precompile with the canary
-installed (so the launch is compiled for each of the engine's buckets), compiles the sweep for
+installed (so the step is compiled for each of the engine's buckets), compiles the sweep for
 every capacity bucket, then starts from a fresh state: no compile is left for the request path.
 """
 
@@ -74,6 +79,7 @@ from ...state import ViolationLog
 from .request_guard import batch_requests, dp_rank_of
 from .layout import (REPLICATED_ARRAYS, LegacyRunner, page_table_batch, replicated,
                      runner_layout, step_arrays, table_entries)
+from .fused import engine_jit, fused_step
 from .metrics import COUNTERS_INTERVAL, CanaryTotals, PrometheusCounters
 from .tokens import TokenMirror, with_intended_tokens
 
@@ -305,6 +311,8 @@ class SglangJaxCanary:
         self.num_slots = self.layout.geometry.num_slots // self.dp   # each rank's, padding incl.
         self._original = None                        # taken by install()
         self._original_sampler = None
+        self._fused = None                           # (EngineJit, jitted step): install()
+        self.fused_reason = "not installed"          # why the launch is not fused, else ""
         self._step_rows = None                       # the last step's (req_pool_indices, seq_lens)
         self._launch_tokens = None                   # host tokens of the batch being launched
         self._check_fn = self._build_check()
@@ -413,6 +421,7 @@ class SglangJaxCanary:
         ``initialize_jit``, which sets a new one)."""
         if not self.installed:
             self._original = self.runner.jitted_run_model
+            self._fused = self._build_fused()
             self.runner.jitted_run_model = self._run_model
             if self.tokens is not None:
                 self._original_sampler = self.runner.jitted_sampler
@@ -425,6 +434,11 @@ class SglangJaxCanary:
             self.runner.jitted_run_model = self._original
             if self._original_sampler is not None:
                 self.runner.jitted_sampler = self._original_sampler
+
+    @property
+    def fused(self) -> bool:
+        """True when each step's checks run in the engine's own program (``fused``)."""
+        return self._fused is not None
 
     @property
     def installed(self) -> bool:
@@ -461,8 +475,29 @@ class SglangJaxCanary:
 
     # -- the jitted functions -------------------------------------------------------------------
     def _build_check(self):
-        """The jitted launch after the engine's model call: HEAD then TAIL on one plan, the canary
-        state donated, the counter snapshot for the monitor computed in the same launch."""
+        """The jitted launch after the engine's model call (where it is not fused into the
+        engine's program: ``fused``), the canary state donated."""
+        check = self._check_body()
+        if self.devices > 1:
+            return jax.jit(check, donate_argnums=(0,), static_argnames=("decode",))
+        return jax.jit(check, donate_argnums=(0,), static_argnames=("decode",),
+                       out_shardings=self._state_sharding())
+
+    def _build_fused(self):
+        """The engine's model call and the canary's check as one jitted program
+        (``fused.fused_step``), or None (with ``self.fused_reason``) where the runner's
+        ``jitted_run_model`` is not sglang-jax's wrapper of its jit."""
+        engine, self.fused_reason = engine_jit(self._original)
+        if engine is None:
+            return None
+        return engine, fused_step(engine, self._check_body(), self.layout.step_kvs,
+                                  draft=self.draft, state_sharding=None if self.devices > 1
+                                  else self._state_sharding())
+
+    def _check_body(self):
+        """The launch's function ``check(cstate, arrays, kvs, decode=...) -> (cstate, counter
+        snapshot, cost hint)``: HEAD then TAIL on one plan, the counter snapshot for the monitor
+        computed in the same launch; per device under ``jax.shard_map`` on several devices."""
         mode = self.config.real_kv_hash_mode
         layout = self.layout
         page_size, aligned, mesh = layout.page_size, layout.aligned_segments, self.runner.mesh
@@ -488,11 +523,7 @@ class SglangJaxCanary:
                     everywhere.astype(jnp.int32), jnp.uint8)])
             return cstate, snapshot, hint
 
-        if self.devices > 1:
-            check = self._per_device(check, static=("decode",))
-            return jax.jit(check, donate_argnums=(0,), static_argnames=("decode",))
-        return jax.jit(check, donate_argnums=(0,), static_argnames=("decode",),
-                       out_shardings=self._state_sharding())
+        return self._per_device(check, static=("decode",)) if self.devices > 1 else check
 
     def _per_device(self, fn, static=()):
         """``fn(cstate, arrays, kv0, **static)`` under ``jax.shard_map`` over the runner's mesh:
@@ -616,31 +647,30 @@ class SglangJaxCanary:
         if self.sweeps_from_wrapper and si and self.steps % si == 0 and not self.warming:
             self.request_sweep()                       # the caller's thread: its radix tree
         swa_lut = self._swa_map_snapshot()
-        t1 = time.perf_counter()
-        try:
-            outputs = self._original(forward_batch, logits_metadata)
-        except Exception as e:
-            e.kv_canary_engine_error = True            # the engine's own call, not the canary's
-            raise
-        t2 = time.perf_counter()
-        kvs = self.layout.step_kvs(outputs)            # the KV as the forward left it
         # held from the launch (which donates the canary state) to the readback, so that the
         # idle reporter never reads a state a launch has donated
         with self._monitor_lock:
+            extra = self._step_extra(forward_batch, swa_lut)
+            if self._fused is not None:                # one program: the engine's and the check
+                self._run_pending_sweep({"FULL": self.layout.fingerprinted()})
+                engine, step = self._fused
+                t1 = time.perf_counter()
+                outputs, self.state, snapshot = self._engine_call(
+                    step, engine.leaves(), forward_batch, self.layout.donated_pool(),
+                    logits_metadata, self.state, extra)
+                t2 = time.perf_counter()
+            else:                                      # the engine's program, then the launch
+                t1 = time.perf_counter()
+                outputs = self._engine_call(self._original, forward_batch, logits_metadata)
+                t2 = time.perf_counter()
             try:
-                self._run_pending_sweep({"FULL": kvs["FULL"]})
-                arrays = step_arrays(forward_batch, from_attention=self.draft)
-                if swa_lut is not None:
-                    arrays["swa_lut"] = swa_lut
-                if self.tokens is not None:
-                    self.tokens.before_step(getattr(forward_batch, "bid", None))
-                    arrays["token_pool"] = self.tokens.pool
-                    # a verify samples nothing (speculative.record_verified_tokens)
-                    self._step_rows = (None if forward_batch.forward_mode.is_target_verify()
-                                       else (forward_batch.req_pool_indices,
-                                             forward_batch.seq_lens))
+                arrays = dict(step_arrays(forward_batch, from_attention=self.draft), **extra)
                 decode = not self.draft and bool(forward_batch.forward_mode.is_decode())
-                self.state, snapshot, _ = self._check_fn(self.state, arrays, kvs, decode=decode)
+                if self._fused is None:
+                    kvs = self.layout.step_kvs(outputs)    # the KV as the forward left it
+                    self._run_pending_sweep({"FULL": kvs["FULL"]})
+                    self.state, snapshot, _ = self._check_fn(self.state, arrays, kvs,
+                                                             decode=decode)
                 if self.warming:
                     return outputs
                 new = self.monitor.step(self.state, snapshot=snapshot, wait=False)
@@ -663,6 +693,30 @@ class SglangJaxCanary:
                              CanaryTotals.read(self).stats_line(self.protected_tokens()),
                              len(self.host_time.recent), self.host_time.summary())
         return outputs
+
+    @staticmethod
+    def _engine_call(fn, *args):
+        """``fn(*args)``: the engine's model call (alone, or fused with the check); an error it
+        raises is marked as the engine's (``server.guard_engine`` says so)."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            e.kv_canary_engine_error = True
+            raise
+
+    def _step_extra(self, forward_batch, swa_lut) -> dict:
+        """The step arrays that are not the batch's own: the SWA map snapshot, and with the
+        write-input assert or the token check the token pool, its host tokens applied."""
+        extra = {}
+        if swa_lut is not None:
+            extra["swa_lut"] = swa_lut
+        if self.tokens is not None:
+            self.tokens.before_step(getattr(forward_batch, "bid", None))
+            extra["token_pool"] = self.tokens.pool
+            # a verify samples nothing (speculative.record_verified_tokens)
+            self._step_rows = (None if forward_batch.forward_mode.is_target_verify()
+                               else (forward_batch.req_pool_indices, forward_batch.seq_lens))
+        return extra
 
     def _swa_map_snapshot(self):
         """With a hybrid SWA pool: the full-to-SWA map as this step's attention reads it, copied

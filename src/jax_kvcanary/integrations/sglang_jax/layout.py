@@ -443,6 +443,10 @@ class _Runner:
         ``jitted_run_model`` returns (used when the canary raises after a step that donated them)."""
         raise NotImplementedError
 
+    def donated_pool(self):
+        """What the engine's ``jitted_run_model`` takes and donates as its pool argument."""
+        raise NotImplementedError
+
 
 class PoolsRunner(_Runner):
     """sglang-jax main: ``MemoryPools`` donated, four results, ``replace_all``."""
@@ -471,6 +475,9 @@ class PoolsRunner(_Runner):
             updates = [jax.device_put(kv, sharding) for kv in updates]
         self.runner.memory_pools.replace_all(updates)
 
+    def donated_pool(self):
+        return self.runner.memory_pools
+
 
 class LegacyRunner(_Runner):
     """sglang-jax 0.0.2: ``token_to_kv_pool`` donated, three results,
@@ -490,6 +497,9 @@ class LegacyRunner(_Runner):
 
     def store_kv(self, outputs, forward_batch) -> None:
         self.runner._set_kv_cache_after_forward(outputs[1], forward_batch)
+
+    def donated_pool(self):
+        return self.runner.token_to_kv_pool
 
 
 def runner_layout(runner) -> _Runner:

@@ -335,7 +335,9 @@ def attach(scheduler, guard: Guard, precompile: bool, logger: Optional[logging.L
                          "models" if spec else "",
                          ", HiCache host records" if host is not None else "",
                          f", PD {transfer.role} records" if transfer is not None else "",
-                         ", metrics on /metrics" if metrics is not None else ""]),
+                         ", metrics on /metrics" if metrics is not None else "",
+                         ", checks in the engine's step program" if canary.fused else
+                         f", checks in a launch of their own ({canary.fused_reason})"]),
                 (f"; fault to inject: {inject.kind} from step {inject.step}"
                  + (" on the SWA group" if inject.on_swa else "")) if inject else "")
     if canary.layout.recurrent:
