@@ -10,11 +10,16 @@ each starts the launcher (``--kv-canary none`` or ``log``) with the same engine 
 first request, then runs a bounded load: ``--concurrency`` HTTP clients each send
 ``--requests-per-client`` distinct fixed prompts of that length, one after the other, with
 ``--max-new-tokens`` (greedy, no early stop), and the server is stopped by its process group.
+Both modes run the launcher of ``tests.support.launch_with_stand_ins``, whose copy of each step's
+page table (``cpu_stand_ins.own_page_table_buffers``) removes sglang-jax's CPU page-table race
+under the overlap scheduler (README): on the stock build concurrent clients read other batches'
+tables now and then, the canary reports it, and a clean benchmark would measure the reporting.
 
 Measured per run: output tokens/s over the load (all clients' tokens / wall time), the scheduler's
 time per decode step (its ``Decode batch`` log lines with every client running: ``#running-req``
 / ``gen throughput``), the first request's latency, and, canary on, the canary's host work per step
-(the wrapper's own time around the engine's model call, which the launcher logs with
+(the CPU time of the canary's code on the scheduler process's threads: the model wrapper, the
+engine's call excluded, and the scheduler hooks; the launcher logs it with
 ``--kv-canary-stats-interval``). Reported per context: medians over the rounds and the median of
 the per-round on/off ratios; targets: throughput on/off >= 0.95, host work <= 0.1 ms per step.
 Writes ``sglang-jax-server-<date>.json`` and ``.md`` to ``--out``.
@@ -34,7 +39,7 @@ import tempfile
 import threading
 import time
 
-from tests.support.sglang_server import Server
+from tests.support.sglang_server import STAND_INS, Server
 from tests.support.tiny_qwen2 import VOCAB_SIZE, write_tiny_qwen2
 
 DECODE_RE = re.compile(r"Decode batch\. #running-req: (\d+),.*?gen throughput \(token/s\): ([\d.]+)")
@@ -93,7 +98,8 @@ def run_load(srv: Server, prompt_ids: list, concurrency: int, max_new: int) -> d
 def one_run(mode: str, model: str, context: int, args, workdir: str, round_no: int) -> dict:
     log = os.path.join(workdir, f"ctx{context}-r{round_no}-{mode}.log")
     extra = ["--kv-canary", mode] + (["--kv-canary-stats-interval", "32"] if mode != "none" else [])
-    srv = Server(extra + engine_args(model, context, args.concurrency, args.max_new_tokens), log)
+    srv = Server(extra + engine_args(model, context, args.concurrency, args.max_new_tokens), log,
+                 module=STAND_INS)
     srv.start()
     try:
         first_ids = prompts(context, 1, seed=10_000 + context)[0]

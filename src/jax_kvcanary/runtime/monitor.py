@@ -185,6 +185,7 @@ class Monitor:
         self.all_processes = bool(all_processes)
         self.everywhere = 0         # rows on every process's devices since the last ring reset
         self._local = None          # the global device index of each block this process decodes
+        self._copies = None         # whether readbacks start a device-to-host copy (not on CPU)
 
     @classmethod
     def from_config(cls, config: CanaryConfig, **kw) -> "Monitor":
@@ -193,8 +194,8 @@ class Monitor:
                    expected_tags=config.expected_tags(), stats_interval=config.stats_interval, **kw)
 
     # -- per step -----------------------------------------------------------------------------------
-    def step(self, state, snapshot: Optional[jax.Array] = None, *, wait: bool = True
-             ) -> List[Violation]:
+    def step(self, state, snapshot: Optional[jax.Array] = None, *, wait: bool = True,
+             keep: int = 1) -> List[Violation]:
         """Start the readback of ``state`` and report what the previous calls' readbacks found.
 
         Args:
@@ -205,6 +206,9 @@ class Monitor:
             the others for a later call, so the caller never waits on the device (a serving loop
             that dispatches the next step before the last one has run; reports then lag by more
             than one step while the device is behind).
+          keep: readbacks to leave pending (the newest ones); a caller that decodes them itself
+            before it acts on a step (``flush_through``) passes more, so that each readback is
+            decoded once, there, and this call only starts the newest.
 
         Returns:
           The new violations (``list[Violation]``), already logged in mode ``'log'``.
@@ -219,11 +223,14 @@ class Monitor:
         self.steps += 1
         log, written = self._split(state)
         snap = _snapshot(*_parts(log, written)) if snapshot is None else snapshot
-        snap.copy_to_host_async()
+        if self._copies is None:       # on the CPU the buffer is host memory: nothing to copy
+            self._copies = any(d.platform != "cpu" for d in snap.devices())
+        if self._copies:
+            snap.copy_to_host_async()
         self._pending.append((snap, self.steps))
         self._state = log
         new: List[Violation] = []
-        while len(self._pending) > 1 and (wait or _is_ready(self._pending[0][0])):
+        while len(self._pending) > keep and (wait or _is_ready(self._pending[0][0])):
             new += self._decode(*self._pending.popleft())
         if self.episodes is not None:
             for line in self.episodes.end_quiet(self.steps):

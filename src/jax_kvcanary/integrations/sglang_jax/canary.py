@@ -160,6 +160,8 @@ class StepRecord(NamedTuple):
 
 #: launches whose ``StepRecord`` is kept (the readback runs at most a few steps behind)
 KEPT_STEP_RECORDS = 16
+#: with a gate per batch, readbacks left for the gates to decode (more are decoded by the step)
+GATED_PENDING = 4
 #: how long the report before an engine error waits for the batch last handed to the forward
 #: (the overlap scheduler's forward thread) to reach the canary's launch, in seconds
 LAUNCH_WAIT_S = 3.0
@@ -226,7 +228,11 @@ class IdleReporter:
 
 
 class HostTime:
-    """Seconds per step of some canary work, the last ``window`` steps kept."""
+    """Seconds per step of some canary work, the last ``window`` steps kept. The canary measures
+    its host work per step with ``time.thread_time`` (CPU time of the thread running it): the
+    model wrapper's own code on the engine's forward thread, the engine's call excluded, plus the
+    scheduler hooks' (``charge``) on the scheduler's thread; waits (for the GIL held by another
+    thread, for the device) are not work and not counted."""
 
     def __init__(self, window: int = 1024):
         self.recent = collections.deque(maxlen=window)
@@ -337,6 +343,9 @@ class SglangJaxCanary:
         self.steps = self.sweeps = 0
         self.warming = False                         # inside precompile: nothing is reported
         self.host_time = HostTime()                  # the canary's own time in each step
+        self.hook_time = HostTime()                  # the scheduler hooks' part of it
+        self._hooks_seconds = 0.0                    # the scheduler hooks' since the last step
+        self._charge_lock = threading.Lock()
         self.metrics = metrics
         self.protected_tokens = protected_tokens or (lambda: -1)
         self._monitor_lock = threading.RLock()         # the steps and the idle reporter
@@ -410,7 +419,9 @@ class SglangJaxCanary:
         self.steps = self.sweeps = self.launches = 0
         self.records.clear()
         self._bid_steps.clear()
-        self.host_time = HostTime()
+        self.host_time, self.hook_time = HostTime(), HostTime()
+        with self._charge_lock:
+            self._hooks_seconds = 0.0
         with self._sweep_lock:
             self._pending_sweep = None
         if self.tokens is not None:
@@ -643,7 +654,7 @@ class SglangJaxCanary:
             for hook in self.step_hooks:               # fault injection (not canary work)
                 hook(forward_batch)
         si = self.config.sweep_interval
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         if self.sweeps_from_wrapper and si and self.steps % si == 0 and not self.warming:
             self.request_sweep()                       # the caller's thread: its radix tree
         swa_lut = self._swa_map_snapshot()
@@ -652,17 +663,18 @@ class SglangJaxCanary:
         with self._monitor_lock:
             extra = self._step_extra(forward_batch, swa_lut)
             if self._fused is not None:                # one program: the engine's and the check
-                self._run_pending_sweep({"FULL": self.layout.fingerprinted()})
+                if self._pending_sweep is not None:    # set by the scheduler's thread
+                    self._run_pending_sweep({"FULL": self.layout.fingerprinted()})
                 engine, step = self._fused
-                t1 = time.perf_counter()
+                t1 = time.thread_time()
                 outputs, self.state, snapshot = self._engine_call(
                     step, engine.leaves(), forward_batch, self.layout.donated_pool(),
                     logits_metadata, self.state, extra)
-                t2 = time.perf_counter()
+                t2 = time.thread_time()
             else:                                      # the engine's program, then the launch
-                t1 = time.perf_counter()
+                t1 = time.thread_time()
                 outputs = self._engine_call(self._original, forward_batch, logits_metadata)
-                t2 = time.perf_counter()
+                t2 = time.thread_time()
             try:
                 arrays = dict(step_arrays(forward_batch, from_attention=self.draft), **extra)
                 decode = not self.draft and bool(forward_batch.forward_mode.is_decode())
@@ -673,7 +685,9 @@ class SglangJaxCanary:
                                                              decode=decode)
                 if self.warming:
                     return outputs
-                new = self.monitor.step(self.state, snapshot=snapshot, wait=False)
+                # gated, each readback is decoded by its batch's gate, not polled here
+                new = self.monitor.step(self.state, snapshot=snapshot, wait=False,
+                                        keep=GATED_PENDING if self.gated else 1)
                 self._remember(StepRecord(getattr(forward_batch, "bid", None), arrays, decode))
                 if not self.gated:
                     new += self._recycle_ring()
@@ -686,13 +700,24 @@ class SglangJaxCanary:
             finally:
                 if not self.warming:
                     self.idle.touch()
-        self.host_time.add(time.perf_counter() - t2 + t1 - t0)
+        with self._charge_lock:
+            hooks, self._hooks_seconds = self._hooks_seconds, 0.0
+        self.host_time.add(time.thread_time() - t2 + t1 - t0 + hooks)
+        self.hook_time.add(hooks)
         si = self.config.stats_interval
         if si and self.steps % si == 0:
-            self.logger.info("%s; canary time per step over the last %d steps: %s",
+            self.logger.info("%s; canary time per step over the last %d steps: %s (of which "
+                             "scheduler hooks: %s)",
                              CanaryTotals.read(self).stats_line(self.protected_tokens()),
-                             len(self.host_time.recent), self.host_time.summary())
+                             len(self.host_time.recent), self.host_time.summary(),
+                             self.hook_time.summary())
         return outputs
+
+    def charge(self, seconds: float) -> None:
+        """Add the time of canary work done outside the model wrapper (the scheduler hooks of
+        ``install_into_scheduler``, on the scheduler's thread) to the next step's host time."""
+        with self._charge_lock:
+            self._hooks_seconds += seconds
 
     @staticmethod
     def _engine_call(fn, *args):
@@ -940,7 +965,9 @@ def install_into_scheduler(scheduler, config: CanaryConfig, **kw) -> Optional[Sg
     run_batch = scheduler.run_batch
 
     def run_batch_with_canary(batch, *args, **kwargs):
+        t = time.thread_time()
         canary.before_launch(batch)
+        canary.charge(time.thread_time() - t)
         return run_batch(batch, *args, **kwargs)
 
     scheduler.run_batch = run_batch_with_canary
@@ -953,7 +980,9 @@ def install_into_scheduler(scheduler, config: CanaryConfig, **kw) -> Optional[Sg
     forward_batch_generation = worker.forward_batch_generation
 
     def forward_batch_generation_with_canary(model_worker_batch, *args, **kwargs):
+        t = time.thread_time()
         canary.before_forward(model_worker_batch)
+        canary.charge(time.thread_time() - t)
         return forward_batch_generation(model_worker_batch, *args, **kwargs)
 
     worker.forward_batch_generation = forward_batch_generation_with_canary
@@ -990,7 +1019,9 @@ def gate_before_results(scheduler, canary: SglangJaxCanary) -> None:
     def process_batch_result_with_canary(batch, result, *args, **kwargs):
         bid = getattr(result, "bid", None)
         if not overlap:
+            t = time.thread_time()
             canary.gate(batch, bid)
+            canary.charge(time.thread_time() - t)
             return process(batch, result, *args, **kwargs)
         waiting.append((batch, bid))
         try:
@@ -1005,7 +1036,9 @@ def gate_before_results(scheduler, canary: SglangJaxCanary) -> None:
         def resolve_last_batch_result_with_canary(*args, **kwargs):
             out = resolve(*args, **kwargs)
             if waiting:
+                t = time.thread_time()
                 canary.gate(*waiting.pop())
+                canary.charge(time.thread_time() - t)
             return out
 
         worker.resolve_last_batch_result = resolve_last_batch_result_with_canary
