@@ -658,6 +658,10 @@ class SglangJaxCanary:
         if self.sweeps_from_wrapper and si and self.steps % si == 0 and not self.warming:
             self.request_sweep()                       # the caller's thread: its radix tree
         swa_lut = self._swa_map_snapshot()
+        t1 = t2 = time.thread_time()
+        if self._fused is None:                        # the engine's program, then the launch
+            outputs = self._engine_call(self._original, forward_batch, logits_metadata)
+            t2 = time.thread_time()
         # held from the launch (which donates the canary state) to the readback, so that the
         # idle reporter never reads a state a launch has donated
         with self._monitor_lock:
@@ -666,15 +670,11 @@ class SglangJaxCanary:
                 if self._pending_sweep is not None:    # set by the scheduler's thread
                     self._run_pending_sweep({"FULL": self.layout.fingerprinted()})
                 engine, step = self._fused
-                t1 = time.thread_time()
+                t_call = time.thread_time()
                 outputs, self.state, snapshot = self._engine_call(
                     step, engine.leaves(), forward_batch, self.layout.donated_pool(),
                     logits_metadata, self.state, extra)
-                t2 = time.thread_time()
-            else:                                      # the engine's program, then the launch
-                t1 = time.thread_time()
-                outputs = self._engine_call(self._original, forward_batch, logits_metadata)
-                t2 = time.thread_time()
+                t2 += time.thread_time() - t_call      # the engine's call is not canary time
             try:
                 arrays = dict(step_arrays(forward_batch, from_attention=self.draft), **extra)
                 decode = not self.draft and bool(forward_batch.forward_mode.is_decode())
