@@ -14,7 +14,10 @@ runs under the GIL (JAX's dispatch), not threads that sleep or wait on the devic
 scheduler-process thread is charged to the innermost frame of sglang-jax or of this package on its
 stack: this package's frames are the canary's host work (with the JAX dispatches they make),
 sglang-jax's the engine's (its model call below the canary's wrapper included; py-spy names some
-of its files without the package directory, hence the ``ModelRunner.`` rule in ``owner``). Prints, per thread, the canary's share, and the canary's functions by
+of its files without the package directory, hence the ``ModelRunner.`` rule and the file names
+of ``engine_files`` in ``owner``; the
+canary's ``_engine_call`` frame, below which the engine's jitted step runs with no Python frame
+of its own, is the engine's too). Prints, per thread, the canary's share, and the canary's functions by
 time per serving step (samples / rate / the canary's step count), most first; writes the table as
 Markdown to ``--out``. A sampling profile: small entries are noisy, and py-spy's non-blocking
 sampling drops some samples (it says how many).
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import re
 import shutil
@@ -39,6 +43,20 @@ from tests.support.tiny_qwen2 import write_tiny_qwen2
 FRAME_RE = re.compile(r"^(?P<func>.*) \((?P<file>[^():]+):(?P<line>\d+)\)$")
 STEPS_RE = re.compile(r"kv_canary stats: step=(\d+)")
 SCHEDULER = '"sglang::scheduler"'
+#: the canary's frame that calls the engine's jitted model call (with the canary's checks traced
+#: into it: one program, whose dispatch is the engine's, thousands of weight arguments beside the
+#: canary state's few): charged to the engine
+ENGINE_CALL = "SglangJaxCanary._engine_call"
+
+
+@functools.lru_cache(maxsize=None)
+def engine_files() -> frozenset:
+    """The file names of the installed sglang-jax's modules (py-spy names some frames by the
+    file name alone)."""
+    import sgl_jax
+
+    root = os.path.dirname(sgl_jax.__file__)
+    return frozenset(f for _, _, fs in os.walk(root) for f in fs if f.endswith(".py"))
 
 
 def owner(frames: list):
@@ -49,9 +67,12 @@ def owner(frames: list):
         if not m:
             continue
         path = m.group("file")
+        if m.group("func") == ENGINE_CALL:
+            return "engine", f"{path}:{m.group('func')}"
         if path.startswith("jax_kvcanary/"):
             return "canary", f"{path}:{m.group('func')}"
-        if path.startswith("sgl_jax/") or m.group("func").startswith("ModelRunner."):
+        if (path.startswith("sgl_jax/") or m.group("func").startswith("ModelRunner.")
+                or ("/" not in path and path in engine_files())):
             return "engine", f"{path}:{m.group('func')}"
     return None, None
 
