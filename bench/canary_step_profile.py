@@ -52,9 +52,11 @@ ENGINE_CALL = "SglangJaxCanary._engine_call"
 @functools.lru_cache(maxsize=None)
 def engine_files() -> frozenset:
     """The file names of the installed sglang-jax's modules (py-spy names some frames by the
-    file name alone)."""
-    import sgl_jax
-
+    file name alone); empty without sglang-jax."""
+    try:
+        import sgl_jax
+    except ImportError:
+        return frozenset()
     root = os.path.dirname(sgl_jax.__file__)
     return frozenset(f for _, _, fs in os.walk(root) for f in fs if f.endswith(".py"))
 

@@ -200,9 +200,14 @@ def test_step_profile_charges_each_sample_to_the_innermost_canary_or_engine_fram
     canary_dispatch = (f"{sched};run (sgl_jax/srt/managers/scheduler.py:10);"
                        "SglangJaxCanary._run_model (jax_kvcanary/integrations/sglang_jax/canary.py:544);"
                        "cache_miss (jax/_src/pjit.py:300) 3")
+    fused_step = (f"{sched};run (sgl_jax/srt/managers/scheduler.py:10);"
+                  "SglangJaxCanary._run_model (jax_kvcanary/integrations/sglang_jax/canary.py:530);"
+                  "SglangJaxCanary._engine_call (jax_kvcanary/integrations/sglang_jax/canary.py:700);"
+                  "cache_miss (jax/_src/pjit.py:300) 5")
     other = 'process 3:"detokenizer";thread (3): MainThread;loop (sgl_jax/x.py:1) 50'
     cut_short = f"{sched};run (sgl_jax/srt/managers/scheduler.py:10);(logging/__init__.py:16);"
-    threads, canary = aggregate("\n".join([engine_call, canary_dispatch, other, cut_short]))
-    assert dict(threads) == {"thread (2): MainThread": {"engine": 7, "canary": 3}}
+    threads, canary = aggregate("\n".join([engine_call, canary_dispatch, fused_step, other,
+                                           cut_short]))
+    assert dict(threads) == {"thread (2): MainThread": {"engine": 12, "canary": 3}}
     assert dict(canary) == {
         "jax_kvcanary/integrations/sglang_jax/canary.py:SglangJaxCanary._run_model": 3}
