@@ -231,7 +231,7 @@ class HostTime:
     """Seconds per step of some canary work, the last ``window`` steps kept. The canary measures
     its host work per step with ``time.thread_time`` (CPU time of the thread running it): the
     model wrapper's own code on the engine's forward thread, the engine's call excluded, plus the
-    scheduler hooks' (``charge``) on the scheduler's thread; waits (for the GIL held by another
+    scheduler hooks' (``charged``) on the scheduler's thread; waits (for the GIL held by another
     thread, for the device) are not work and not counted."""
 
     def __init__(self, window: int = 1024):
@@ -713,11 +713,17 @@ class SglangJaxCanary:
                              self.hook_time.summary())
         return outputs
 
-    def charge(self, seconds: float) -> None:
-        """Add the time of canary work done outside the model wrapper (the scheduler hooks of
-        ``install_into_scheduler``, on the scheduler's thread) to the next step's host time."""
-        with self._charge_lock:
-            self._hooks_seconds += seconds
+    def charged(self, fn, *args):
+        """``fn(*args)``, canary work done outside the model wrapper (the scheduler hooks of
+        ``install_into_scheduler``, on the scheduler's thread), its CPU time added to the next
+        step's host time."""
+        t = time.thread_time()
+        try:
+            return fn(*args)
+        finally:
+            spent = time.thread_time() - t
+            with self._charge_lock:
+                self._hooks_seconds += spent
 
     @staticmethod
     def _engine_call(fn, *args):
@@ -965,9 +971,7 @@ def install_into_scheduler(scheduler, config: CanaryConfig, **kw) -> Optional[Sg
     run_batch = scheduler.run_batch
 
     def run_batch_with_canary(batch, *args, **kwargs):
-        t = time.thread_time()
-        canary.before_launch(batch)
-        canary.charge(time.thread_time() - t)
+        canary.charged(canary.before_launch, batch)
         return run_batch(batch, *args, **kwargs)
 
     scheduler.run_batch = run_batch_with_canary
@@ -980,9 +984,7 @@ def install_into_scheduler(scheduler, config: CanaryConfig, **kw) -> Optional[Sg
     forward_batch_generation = worker.forward_batch_generation
 
     def forward_batch_generation_with_canary(model_worker_batch, *args, **kwargs):
-        t = time.thread_time()
-        canary.before_forward(model_worker_batch)
-        canary.charge(time.thread_time() - t)
+        canary.charged(canary.before_forward, model_worker_batch)
         return forward_batch_generation(model_worker_batch, *args, **kwargs)
 
     worker.forward_batch_generation = forward_batch_generation_with_canary
@@ -1019,9 +1021,7 @@ def gate_before_results(scheduler, canary: SglangJaxCanary) -> None:
     def process_batch_result_with_canary(batch, result, *args, **kwargs):
         bid = getattr(result, "bid", None)
         if not overlap:
-            t = time.thread_time()
-            canary.gate(batch, bid)
-            canary.charge(time.thread_time() - t)
+            canary.charged(canary.gate, batch, bid)
             return process(batch, result, *args, **kwargs)
         waiting.append((batch, bid))
         try:
@@ -1036,9 +1036,7 @@ def gate_before_results(scheduler, canary: SglangJaxCanary) -> None:
         def resolve_last_batch_result_with_canary(*args, **kwargs):
             out = resolve(*args, **kwargs)
             if waiting:
-                t = time.thread_time()
-                canary.gate(*waiting.pop())
-                canary.charge(time.thread_time() - t)
+                canary.charged(canary.gate, *waiting.pop())
             return out
 
         worker.resolve_last_batch_result = resolve_last_batch_result_with_canary
