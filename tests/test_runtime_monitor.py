@@ -149,6 +149,25 @@ def test_health_check_per_device():
         h.observe(2, runs)
 
 
+def test_health_check_per_device_through_the_monitor():
+    """The steps between full decodes read each device's write_index only; a health step reads
+    the kernel-run counters of every device, and a row arriving on a health step is reported."""
+    tags = (T.HEAD_K_FULL,)
+    f, mon = FakeLog(devices=2), Monitor("log", health_interval=2, expected_tags=tags)
+    for k in range(5):
+        f.tick(tags, device=0)
+        f.tick(tags, device=1)
+        if k == 3:
+            f.add(ROW_A, device=1)
+        vs = mon.step(f.log())
+        assert [list(v.row) for v in vs] == ([ROW_A] if k == 4 else [])
+    assert mon.health.checks >= 1
+    with pytest.raises(CanaryHealthError, match="HEAD_K_FULL@device1"):
+        for _ in range(4):
+            f.tick(tags, device=0)
+            mon.step(f.log())
+
+
 def test_stats_line(caplog):
     tags = (T.HEAD_K_FULL,)
     f, mon = FakeLog(), Monitor("log", stats_interval=2, expected_tags=tags)

@@ -32,9 +32,14 @@ class HealthCheck:
 
     def due(self, step: int) -> bool:
         """Whether ``observe(step, ...)`` would check (or take its first baseline)."""
+        return step >= self.next_due(step)
+
+    def next_due(self, step: int) -> float:
+        """The first step from ``step`` on at which ``observe`` checks (or takes its first
+        baseline): ``step`` itself before the first baseline, infinity when disabled."""
         if not self.interval or not self.expected_tags:
-            return False
-        return self._base is None or step - self._base_step >= self.interval
+            return float("inf")
+        return step if self._base is None else self._base_step + self.interval
 
     def observe(self, step: int, kernel_runs: np.ndarray) -> None:
         if not self.interval or not self.expected_tags:
@@ -46,14 +51,12 @@ class HealthCheck:
         if step - self._base_step < self.interval:
             return
         self.checks += 1
-        missing = []
-        for d in range(runs.shape[0]):
-            for t in self.expected_tags:
-                if runs[d, t] == self._base[d, t]:
-                    missing.append((d, t))
+        tags = list(self.expected_tags)
+        stuck = runs[:, tags] == self._base[:, tags]
         window = step - self._base_step
         self._base_step, self._base = step, runs.copy()
-        if missing:
+        if stuck.any():
+            missing = [(int(d), tags[int(k)]) for d, k in zip(*np.nonzero(stuck))]
             self.ok = False
             multi = runs.shape[0] > 1
             names = ", ".join(tag_name(t) + (f"@device{d}" if multi else "") for d, t in missing)

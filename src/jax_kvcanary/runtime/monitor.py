@@ -176,6 +176,7 @@ class Monitor:
         self._state = None          # last state passed in (its ring is read on a counter move)
         self._watermark = None      # int64[D]: ring rows reported since the last ring reset
         self._marks = None          # the same as Python ints (the per-step check reads these)
+        self._has_rows = False      # whether any of them is > 0
         self._recycled = None       # int64[D]: write_index values cleared by ring resets
         self.host_total = 0         # rows given to report_rows
         self.rows_lost = 0          # rows the full ring could not keep (counted, never decoded)
@@ -186,6 +187,7 @@ class Monitor:
         self.everywhere = 0         # rows on every process's devices since the last ring reset
         self._local = None          # the global device index of each block this process decodes
         self._copies = None         # whether readbacks start a device-to-host copy (not on CPU)
+        self._next_full = 0         # the first step due more than the write_index check
 
     @classmethod
     def from_config(cls, config: CanaryConfig, **kw) -> "Monitor":
@@ -297,11 +299,12 @@ class Monitor:
         ``all_processes``, on any process's devices."""
         if self.all_processes:
             return self.everywhere > 0
-        return self._marks is not None and any(m > 0 for m in self._marks)
+        return self._has_rows
 
     def _set_watermark(self, marks: np.ndarray) -> None:
         self._watermark = marks
         self._marks = tuple(int(m) for m in marks)
+        self._has_rows = any(m > 0 for m in self._marks)
 
     def close_episodes(self) -> None:
         """End the open episodes (``EpisodeLog``), logging each one's summary line."""
@@ -322,24 +325,28 @@ class Monitor:
 
     def _decode(self, snap, snap_step, full: bool = False) -> List[Violation]:
         """Report the new rows of one snapshot. The counters are decoded in full only when
-        something needs them (``full``, new rows, a health check or a stats line due); otherwise
-        only ``write_index`` is read."""
+        something needs them (``full``, new rows, a stats line or a counters decode due); a
+        health check due reads the kernel-run counters only; otherwise only ``write_index``."""
+        if self.all_processes:
+            host, self._local = local_blocks(snap)
+            everywhere = int(host.reshape(-1, host.shape[-1])[0, -4:].view("<i4")[0])
+            host = host[..., :-4]            # the trailing int32: rows on every process
+        else:                                # one process: every block is its own
+            host, everywhere = np.asarray(snap), self.everywhere
+            if self._local is None:
+                self._local = list(range(host.shape[0] if host.ndim > 1 else 1))
+        if (not full and everywhere <= self.everywhere and self._marks is not None
+                and not self._moved(host)):
+            if snap_step < self._next_full:    # every step: the write_index check alone
+                return []
+            num_tags = int(self._state.kernel_run_counters.shape[-2])
+            if not self._counters_due(snap_step):   # a health check: the kernel-run counters
+                blocks = host.reshape(-1, host.shape[-1])
+                self.health.observe(snap_step, blocks[:, 4:4 + 8 * num_tags].copy().view("<i8"))
+                self._next_full = self._next_full_step(snap_step)
+                return []
         log = self._state
         num_tags = int(log.kernel_run_counters.shape[-2])
-        host, self._local = local_blocks(snap)
-        everywhere = self.everywhere
-        if self.all_processes:                   # the trailing int32: rows on every process
-            everywhere = int(host.reshape(-1, host.shape[-1])[0, -4:].view("<i4")[0])
-            host = host[..., :-4]
-        if not full and not self.health.due(snap_step) and everywhere <= self.everywhere and not any(
-                n and snap_step % n == 0 for n in (self.stats_interval, self.counters_interval)):
-            # every step: only each device's write_index (its first 4 bytes), in plain Python
-            # (numpy's calls on arrays this small cost more than the comparison)
-            per_device = host.reshape(-1, host.shape[-1])
-            if self._marks is not None and all(
-                    int.from_bytes(per_device[d, :4].tobytes(), "little", signed=True) <= mark
-                    for d, mark in enumerate(self._marks)):
-                return []
         counters = CounterSnapshot.decode(host, num_tags)
         self.counters = counters
         multi = log.write_index.ndim == 2
@@ -383,7 +390,29 @@ class Monitor:
         self.health.observe(snap_step, counters.kernel_runs)
         if self.stats_interval and snap_step % self.stats_interval == 0:
             self.logger.info(self.stats_line(snap_step))
+        self._next_full = self._next_full_step(snap_step)
         return new
+
+    def _moved(self, host: np.ndarray) -> bool:
+        """Whether a device's ``write_index`` in snapshot ``host`` (the first 4 bytes of its
+        block) is past the rows reported, in plain Python (numpy's calls on arrays this small
+        cost more than the comparison)."""
+        if host.ndim == 1:
+            return int.from_bytes(host[:4], "little", signed=True) > self._marks[0]
+        return any(int.from_bytes(block[:4], "little", signed=True) > mark
+                   for block, mark in zip(host, self._marks))
+
+    def _counters_due(self, step: int) -> bool:
+        """Whether monitor step ``step`` is due a full decode of the counters (a stats line, or
+        ``counters_interval``)."""
+        return any(n and step % n == 0 for n in (self.stats_interval, self.counters_interval))
+
+    def _next_full_step(self, step: int) -> int:
+        """The first monitor step after ``step`` that is due more than the ``write_index`` check:
+        a health check, a stats line or a counters decode."""
+        due = [self.health.next_due(step)]
+        due += [(step // n + 1) * n for n in (self.stats_interval, self.counters_interval) if n]
+        return min(due)
 
     def _emit(self, new: List[Violation]) -> List[Violation]:
         """Count, keep and log the new violations, or raise them (mode 'raise')."""

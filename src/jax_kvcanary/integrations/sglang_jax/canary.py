@@ -336,7 +336,7 @@ class SglangJaxCanary:
         self.gated = False                           # a scheduler hook calls gate() per batch
         self.host_tier = None                        # hicache.HostRecords, with HiCache
         self.transfer = None                         # pd.TransferRecords, on a PD server
-        self.records = collections.OrderedDict()     # monitor step -> StepRecord
+        self.records = {}                            # monitor step -> StepRecord
         self._bid_steps = {}                         # batch id -> monitor step of its launch
         self.launches = 0                            # batches the scheduler hook has seen
         self._forwarded_bid = None                   # the batch id last handed to the forward
@@ -650,18 +650,19 @@ class SglangJaxCanary:
     # -- per step -------------------------------------------------------------------------------
     def _run_model(self, forward_batch, logits_metadata):
         self.steps += 1
-        if not self.warming:
+        if self.step_hooks and not self.warming:
             for hook in self.step_hooks:               # fault injection (not canary work)
                 hook(forward_batch)
-        si = self.config.sweep_interval
         t0 = time.thread_time()
+        si = self.config.sweep_interval
         if self.sweeps_from_wrapper and si and self.steps % si == 0 and not self.warming:
             self.request_sweep()                       # the caller's thread: its radix tree
         swa_lut = self._swa_map_snapshot()
-        t1 = t2 = time.thread_time()
+        engine_s = 0.0                                 # the engine's call is not canary time
         if self._fused is None:                        # the engine's program, then the launch
+            t = time.thread_time()
             outputs = self._engine_call(self._original, forward_batch, logits_metadata)
-            t2 = time.thread_time()
+            engine_s = time.thread_time() - t
         # held from the launch (which donates the canary state) to the readback, so that the
         # idle reporter never reads a state a launch has donated
         with self._monitor_lock:
@@ -670,13 +671,15 @@ class SglangJaxCanary:
                 if self._pending_sweep is not None:    # set by the scheduler's thread
                     self._run_pending_sweep({"FULL": self.layout.fingerprinted()})
                 engine, step = self._fused
-                t_call = time.thread_time()
+                t = time.thread_time()
                 outputs, self.state, snapshot = self._engine_call(
                     step, engine.leaves(), forward_batch, self.layout.donated_pool(),
                     logits_metadata, self.state, extra)
-                t2 += time.thread_time() - t_call      # the engine's call is not canary time
+                engine_s = time.thread_time() - t
             try:
-                arrays = dict(step_arrays(forward_batch, from_attention=self.draft), **extra)
+                arrays = step_arrays(forward_batch, from_attention=self.draft)
+                if extra:
+                    arrays.update(extra)
                 decode = not self.draft and bool(forward_batch.forward_mode.is_decode())
                 if self._fused is None:
                     kvs = self.layout.step_kvs(outputs)    # the KV as the forward left it
@@ -691,7 +694,8 @@ class SglangJaxCanary:
                 self._remember(StepRecord(getattr(forward_batch, "bid", None), arrays, decode))
                 if not self.gated:
                     new += self._recycle_ring()
-                self._after_readback(new)
+                if new or self.metrics is not None or self.processes > 1:
+                    self._after_readback(new)
             except BaseException:
                 # mode 'raise' (or a health failure): the step has donated the KV pool already,
                 # so hand the engine its new buffers before raising, as its own forward would
@@ -702,7 +706,7 @@ class SglangJaxCanary:
                     self.idle.touch()
         with self._charge_lock:
             hooks, self._hooks_seconds = self._hooks_seconds, 0.0
-        self.host_time.add(time.thread_time() - t2 + t1 - t0 + hooks)
+        self.host_time.add(time.thread_time() - t0 - engine_s + hooks)
         self.hook_time.add(hooks)
         si = self.config.stats_interval
         if si and self.steps % si == 0:
@@ -759,15 +763,15 @@ class SglangJaxCanary:
                               NamedSharding(self.runner.mesh, PartitionSpec()))
 
     def _remember(self, record: StepRecord) -> None:
-        """Keep the ``StepRecord`` of the launch just pumped (the monitor's current step)."""
+        """Keep the ``StepRecord`` of the launch just pumped (the monitor's current step), and
+        drop the one ``KEPT_STEP_RECORDS`` steps older (monitor steps count up by one)."""
         step = self.monitor.steps
         self.records[step] = record
         if record.bid is not None:
             self._bid_steps[int(record.bid)] = step
-        while len(self.records) > KEPT_STEP_RECORDS:
-            old = self.records.popitem(last=False)[1]
-            if old.bid is not None:
-                self._bid_steps.pop(int(old.bid), None)
+        old = self.records.pop(step - KEPT_STEP_RECORDS, None)
+        if old is not None and old.bid is not None:
+            self._bid_steps.pop(int(old.bid), None)
 
     def _recycle_ring(self) -> list:
         """If rows were recorded since the ring's last reset: decode every pending readback (blocks
@@ -805,8 +809,10 @@ class SglangJaxCanary:
                     # every process's counters of this step, summed on every process (node 0
                     # serves them on /metrics)
                     self.metrics.update(CanaryTotals.everywhere(self), self.protected_tokens())
-            new += self._recycle_ring()
-            self._after_readback(new, shared=True)
+            if self.monitor.ring_has_rows:
+                new += self._recycle_ring()
+            if new or self.metrics is not None:
+                self._after_readback(new, shared=True)
         for hook in self.gate_hooks:
             hook(batch, step)
         return step

@@ -26,6 +26,7 @@ the native attention backend reads them at the unaligned starts (the plain sum o
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import jax
@@ -179,6 +180,12 @@ def replicated(mesh):
     return lambda x: reshard(x.astype(jnp.int32), spec)
 
 
+#: the ``ForwardBatch`` fields ``step_arrays`` reads
+STEP_FIELDS = ("req_pool_indices", "seq_lens", "extend_prefix_lens", "extend_seq_lens",
+               "cache_loc", "input_ids", "positions", "out_cache_loc")
+_step_fields = operator.attrgetter(*STEP_FIELDS)
+
+
 def step_arrays(forward_batch, from_attention: bool = False) -> dict:
     """The arrays of an sglang-jax ``ForwardBatch`` the canary reads (on the device): the page
     table ``cache_loc``, the lengths, and the step's tokens (extend lengths are None in DECODE).
@@ -188,9 +195,7 @@ def step_arrays(forward_batch, from_attention: bool = False) -> dict:
     attention metadata its kernel reads (``attention_arrays``) instead of the batch's own lengths
     and page table."""
     fb = forward_batch
-    arrays = {k: getattr(fb, k) for k in ("req_pool_indices", "seq_lens", "extend_prefix_lens",
-                                           "extend_seq_lens", "cache_loc", "input_ids",
-                                           "positions", "out_cache_loc")}
+    arrays = dict(zip(STEP_FIELDS, _step_fields(fb)))
     if from_attention or fb.forward_mode.is_target_verify():
         arrays.update(attention_arrays(fb.attn_backend.forward_metadata))
     return arrays

@@ -326,6 +326,8 @@ class RequestGuard:
         """The scheduler's thread, once the canary has decoded launch ``step`` (the launch of
         ``batch``) and before ``batch``'s results are processed: abort every request the rows of
         launches up to ``step`` name, and every request of a launch whose rows were lost."""
+        if not self._rows and self._lost_seen == len(self.canary.monitor.lost_steps):
+            return                                 # nothing to act on (most gates)
         with self._lock:
             due = [v for v in self._rows if (v.launch_step or 0) <= step]
             self._rows = [v for v in self._rows if (v.launch_step or 0) > step]
