@@ -211,3 +211,38 @@ def test_step_profile_charges_each_sample_to_the_innermost_canary_or_engine_fram
     assert dict(threads) == {"thread (2): MainThread": {"engine": 12, "canary": 3}}
     assert dict(canary) == {
         "jax_kvcanary/integrations/sglang_jax/canary.py:SglangJaxCanary._run_model": 3}
+
+
+def test_server_bench_summary_ratios_spread_and_targets(tmp_path):
+    """The server bench's per-point summary: per-round on/off ratios (median and spread), host
+    work medians over the rounds, each target judged at each point; the report names them."""
+    from bench import sglang_jax_server as S
+
+    def run(mode, rnd, toks, step, med=None, p90=None, clients=8):
+        r = {"mode": mode, "context": 256, "clients": clients, "requests_per_client": 3,
+             "round": rnd, "tokens_per_s": toks, "decode_step_ms": step, "first_request_s": 0.2,
+             "violations": 0}
+        if med is not None:
+            r.update(host_median_us=med, host_p90_us=p90)
+        return r
+
+    runs = [run("none", 0, 100.0, 10.0), run("log", 0, 98.0, 10.1, 90.0, 140.0),
+            run("none", 1, 100.0, 10.0), run("log", 1, 99.0, 10.1, 80.0, 120.0),
+            run("none", 2, 100.0, 10.0), run("log", 2, 90.0, 10.5, 95.0, 200.0),
+            run("none", 0, 50.0, 20.0, clients=32), run("log", 0, 40.0, 25.0, 300.0, 900.0,
+                                                        clients=32)]
+    rows = S.summarize(runs)
+    by = {r["clients"]: r for r in rows}
+    r8 = by[8]
+    assert r8["rounds"] == 3 and r8["toks_ratio"] == {"median": 0.98, "min": 0.9, "max": 0.99}
+    assert abs(r8["step_ratio"]["median"] - 1.01) < 1e-12 and r8["step_ratio"]["max"] == 1.05
+    assert r8["host_median_us"]["median"] == 90.0 and r8["host_p90_us"]["median"] == 140.0
+    assert all(r8["ok"].values())
+    assert not any(by[32]["ok"].values())
+    meta = {"date": "d", "argv": [], "sglang_jax": "x", "jax": "y", "cpu": "c", "cores": 2,
+            "max_new_tokens": 64}
+    text = S.markdown(rows, meta)
+    assert "| 256 | 8 | 24 | 3 | 100.0 | 98.0 | 0.980 (0.900-0.990) |" in text
+    assert "- host work p90 <= 150 us: 256x8 PASS, 256x32 FAIL" in text
+    pytest.importorskip("matplotlib")
+    assert S.plot(rows, str(tmp_path / "p.png")) and (tmp_path / "p.png").stat().st_size > 0
