@@ -1,16 +1,18 @@
 """The canary's cost in sglang-jax's own HTTP server: canary on vs off, at each load.
 
-    python -m bench.sglang_jax_server [--contexts 256 2048] [--clients 8 32] [--rounds 5]
-        [--requests-per-client 3 1] [--max-new-tokens 64] [--model DIR] [--out DIR]
+    python -m bench.sglang_jax_server [--points 256x8 256x32 2048x8:1 2048x32:1] [--rounds 5]
+        [--max-new-tokens 64] [--model DIR] [--out DIR]
+    python -m bench.sglang_jax_server --merge A.json B.json [--out DIR]
 
 Needs sglang-jax (its main branch) in this environment; runs on the CPU with the tiny Qwen2 of
 ``tests/support/tiny_qwen2.py`` unless ``--model`` names another model directory. For each point
-(prompt tokens x concurrent clients), rounds of two server runs alternate (off then on, then on
+(prompt tokens x concurrent clients, ``--points``), rounds of two server runs alternate (off then on, then on
 then off, ...): each starts the launcher (``--kv-canary none`` or ``log``) with the same engine
 arguments, times one first request, then runs a bounded load: the clients each send their
-requests (``--requests-per-client``, one value or one per context) of distinct fixed prompts of
+requests (the point's requests per client) of distinct fixed prompts of
 that length, one after the other, with ``--max-new-tokens`` (greedy, no early stop), and the
-server is stopped by its process group. Both modes run the launcher of
+server is stopped by its process group. ``--merge`` reports the runs of earlier outputs together
+(points measured by separate invocations). Both modes run the launcher of
 ``tests.support.launch_with_stand_ins``, whose copy of each step's page table
 (``cpu_stand_ins.own_page_table_buffers``) removes sglang-jax's CPU page-table race under the
 overlap scheduler (README): on the stock build concurrent clients read other batches' tables now
@@ -25,7 +27,8 @@ last steps with ``--kv-canary-stats-interval``). Per point: the median and the s
 of the per-round on/off ratios of tokens/s and of the decode step, and the medians over the
 rounds of the host work's median and p90. Targets, each at every point: tokens/s on/off >= 0.97,
 decode step on/off <= 1.02, host work median <= 100 us and p90 <= 150 us per step. Writes
-``sglang-jax-server-<date>-<contexts>.json``, ``.md`` and ``.png`` (on/off ratios and host work
+``sglang-jax-server-<date>-<points>.json`` (after each run, so an interrupted bench keeps
+its runs), ``.md`` and ``.png`` (on/off ratios and host work
 against clients, a line per prompt length; needs matplotlib) to ``--out``; exit code 1 when a
 target is missed.
 """
@@ -55,6 +58,8 @@ TARGET_TOKS_RATIO = 0.97
 TARGET_STEP_RATIO = 1.02
 TARGET_HOST_MEDIAN_US = 100.0
 TARGET_HOST_P90_US = 150.0
+#: the points the issue's targets name: prompt tokens x clients : requests per client
+DEFAULT_POINTS = ("256x8:3", "256x32:3", "2048x8:1", "2048x32:1")
 
 
 def engine_args(model: str, context: int, clients: int, max_new: int) -> list:
@@ -264,50 +269,21 @@ def plot(rows: list, path: str) -> bool:
     return True
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", type=int, nargs="+", default=[256, 2048])
-    p.add_argument("--clients", type=int, nargs="+", default=[8, 32])
-    p.add_argument("--requests-per-client", type=int, nargs="+", default=[3, 1],
-                   help="one value, or one per context")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--model", default=None, help="model directory (default: the tiny Qwen2)")
-    p.add_argument("--out", default="bench/results")
-    args = p.parse_args(argv)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    per_client = args.requests_per_client
-    if len(per_client) not in (1, len(args.contexts)):
-        p.error(f"--requests-per-client takes 1 or {len(args.contexts)} values (one per "
-                f"context), got {len(per_client)}")
-    per_client = dict(zip(args.contexts, per_client * len(args.contexts) if len(per_client) == 1
-                          else per_client))
+def parse_point(text: str) -> dict:
+    """``PROMPTxCLIENTS[:REQUESTS]`` (requests per client, default 3) -> a point's dict."""
+    m = re.fullmatch(r"(\d+)x(\d+)(?::(\d+))?", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"a point is PROMPTxCLIENTS[:REQUESTS_PER_CLIENT] "
+                                         f"(e.g. 2048x8:1), got {text!r}")
+    return {"context": int(m[1]), "clients": int(m[2]), "requests_per_client": int(m[3] or 3)}
 
-    import jax
-    import sgl_jax  # noqa: F401  (fails here without sglang-jax)
-    from importlib.metadata import version
 
-    workdir = tempfile.mkdtemp(prefix="kvc-sgl-bench-")
-    model = args.model or write_tiny_qwen2(os.path.join(workdir, "tiny-qwen2"))
-    runs = []
-    for context in args.contexts:
-        for clients in args.clients:
-            point = {"context": context, "clients": clients,
-                     "requests_per_client": per_client[context]}
-            for k in range(args.rounds):
-                for mode in (("none", "log") if k % 2 == 0 else ("log", "none")):
-                    runs.append(one_run(mode, model, point, args, workdir, k))
+def report(runs: list, meta: dict, stem: str) -> int:
+    """Summarize ``runs``, print and write ``stem``.md, .png (and the JSON); 1 when a target is
+    missed."""
     rows = summarize(runs)
-    cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"],
-                         capture_output=True, text=True).stdout.strip() or "unknown CPU"
-    meta = {"date": datetime.date.today().isoformat(), "argv": argv, "jax": jax.__version__,
-            "sglang_jax": version("sglang-jax"), "cpu": cpu, "cores": os.cpu_count(),
-            "max_new_tokens": args.max_new_tokens}
     text = markdown(rows, meta)
     print("\n" + text)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"sglang-jax-server-{meta['date']}-"
-                        + "-".join(map(str, args.contexts)))
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "summary": rows, "runs": runs}, f, indent=1)
     with open(stem + ".md", "w") as f:
@@ -316,6 +292,51 @@ def main(argv=None) -> int:
     print(f"wrote {stem}.json, {stem}.md" + (f" and {stem}.png" if made else
                                               " (no plot: matplotlib not installed)"))
     return 0 if all(all(r["ok"].values()) for r in rows) else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--points", type=parse_point, nargs="+", default=[
+        parse_point(t) for t in DEFAULT_POINTS], metavar="PROMPTxCLIENTS[:REQUESTS]",
+        help="prompt tokens x concurrent clients, and requests per client (default 3)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--model", default=None, help="model directory (default: the tiny Qwen2)")
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="report the runs of these earlier outputs together; runs nothing")
+    args = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    os.makedirs(args.out, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    if args.merge:
+        loaded = [json.load(open(path)) for path in args.merge]
+        meta = dict(loaded[0]["meta"], date=date, argv=argv,
+                    merged=[d["meta"]["argv"] for d in loaded])
+        return report([r for d in loaded for r in d["runs"]], meta,
+                      os.path.join(args.out, f"sglang-jax-server-{date}-merged"))
+
+    import jax
+    import sgl_jax  # noqa: F401  (fails here without sglang-jax)
+    from importlib.metadata import version
+
+    cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"],
+                         capture_output=True, text=True).stdout.strip() or "unknown CPU"
+    meta = {"date": date, "argv": argv, "jax": jax.__version__,
+            "sglang_jax": version("sglang-jax"), "cpu": cpu, "cores": os.cpu_count(),
+            "max_new_tokens": args.max_new_tokens}
+    stem = os.path.join(args.out, f"sglang-jax-server-{date}-" + "-".join(
+        f"{q['context']}x{q['clients']}" for q in args.points))
+    workdir = tempfile.mkdtemp(prefix="kvc-sgl-bench-")
+    model = args.model or write_tiny_qwen2(os.path.join(workdir, "tiny-qwen2"))
+    runs = []
+    for point in args.points:
+        for k in range(args.rounds):
+            for mode in (("none", "log") if k % 2 == 0 else ("log", "none")):
+                runs.append(one_run(mode, model, point, args, workdir, k))
+                with open(stem + ".json", "w") as f:    # kept if the bench is interrupted
+                    json.dump({"meta": meta, "runs": runs}, f, indent=1)
+    return report(runs, meta, stem)
 
 
 if __name__ == "__main__":
