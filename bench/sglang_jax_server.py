@@ -313,7 +313,9 @@ def main(argv=None) -> int:
         loaded = [json.load(open(path)) for path in args.merge]
         meta = dict(loaded[0]["meta"], date=date, argv=argv,
                     merged=[d["meta"]["argv"] for d in loaded])
-        return report([r for d in loaded for r in d["runs"]], meta,
+        # each file's rounds stay apart (a point measured twice has rounds 0.. in both)
+        runs = [dict(r, round=f"{i}.{r['round']}") for i, d in enumerate(loaded) for r in d["runs"]]
+        return report(runs, meta,
                       os.path.join(args.out, f"sglang-jax-server-{date}-merged"))
 
     import jax

@@ -246,3 +246,25 @@ def test_server_bench_summary_ratios_spread_and_targets(tmp_path):
     assert "- host work p90 <= 150 us: 256x8 PASS, 256x32 FAIL" in text
     pytest.importorskip("matplotlib")
     assert S.plot(rows, str(tmp_path / "p.png")) and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_server_bench_merge_keeps_each_files_rounds(tmp_path):
+    """``--merge`` reports the runs of several outputs together: a point measured by two
+    invocations (rounds 0.. in each) counts every round."""
+    from bench import sglang_jax_server as S
+
+    meta = {"date": "d", "argv": [], "sglang_jax": "x", "jax": "y", "cpu": "c", "cores": 2,
+            "max_new_tokens": 64}
+    paths = []
+    for i in range(2):
+        runs = [{"mode": m, "context": 256, "clients": 8, "requests_per_client": 3, "round": 0,
+                 "tokens_per_s": 100.0 - i * (m == "log"), "decode_step_ms": 10.0,
+                 "first_request_s": 0.2, "violations": 0, "host_median_us": 90.0,
+                 "host_p90_us": 120.0} for m in ("none", "log")]
+        paths.append(str(tmp_path / f"{i}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump({"meta": meta, "runs": runs}, f)
+    assert S.main(["--merge", *paths, "--out", str(tmp_path)]) == 0
+    out = json.load(open(next(tmp_path.glob("sglang-jax-server-*-merged.json"))))
+    assert [r["rounds"] for r in out["summary"]] == [2]
+    assert out["summary"][0]["toks_ratio"] == {"median": 0.995, "min": 0.99, "max": 1.0}
