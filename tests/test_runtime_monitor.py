@@ -168,6 +168,19 @@ def test_health_check_per_device_through_the_monitor():
             mon.step(f.log())
 
 
+def test_refresh_counters_decodes_the_last_readback():
+    """Between full decodes only write_index is read; refresh_counters decodes the counters of
+    the last readback (once), e.g. for the metrics when the server goes idle."""
+    tags = (T.HEAD_K_FULL,)
+    f, mon = FakeLog(), Monitor("log")
+    for _ in range(4):
+        f.tick(tags)
+        mon.step(f.log())
+    assert int(mon.counters.kernel_runs[0, T.HEAD_K_FULL]) == 2   # the first readback's
+    assert mon.refresh_counters() and not mon.refresh_counters()
+    assert int(mon.counters.kernel_runs[0, T.HEAD_K_FULL]) == 6   # step 3's (one step behind)
+
+
 def test_stats_line(caplog):
     tags = (T.HEAD_K_FULL,)
     f, mon = FakeLog(), Monitor("log", stats_interval=2, expected_tags=tags)

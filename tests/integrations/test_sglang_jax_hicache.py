@@ -60,15 +60,16 @@ def loads(srv) -> int:
     return sum(int(n) for n in re.findall(LOADED, srv.log()))
 
 
-def hicache_metrics(srv, timeout: float = 15.0) -> dict:
+def hicache_metrics(srv, imported: int, timeout: float = 15.0) -> dict:
     """``kv_canary_hicache_pages_total`` from ``/metrics`` by ``what``, once the server has gone
-    idle (when the canary brings its metrics up to date) and they show the imported pages."""
+    idle (when the canary brings its metrics up to date) and they show ``imported`` pages (or
+    what they show after ``timeout`` seconds)."""
     deadline = time.monotonic() + timeout
     while True:
         text = srv.get("/metrics")
         counts = {k: int(float(v)) for k, v in re.findall(
             r'kv_canary_hicache_pages_total\{what="(\w+)"\} (\S+)', text)}
-        if counts.get("imported") or time.monotonic() > deadline:
+        if counts.get("imported") == imported or time.monotonic() > deadline:
             return counts
         time.sleep(0.5)
 
@@ -91,7 +92,7 @@ def test_hicache_reloads_are_guarded_with_the_stock_tokens(model_dir, stock, tmp
                         "--kv-canary", "log", "--kv-canary-write-input-assert",
                         "--kv-canary-token-check", "--enable-metrics") as srv:
         answers = run_sequence(srv)
-        counts = hicache_metrics(srv)
+        counts = hicache_metrics(srv, loads(srv))
         log = srv.log()
         assert srv.reports() == [], srv.log_tail()
     assert "HiCache host records" in log and "Traceback" not in log

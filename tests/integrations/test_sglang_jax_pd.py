@@ -29,15 +29,17 @@ def run_prompts(pd) -> list:
     return [pd.router.generate(text, 12) for text in PROMPTS]
 
 
-def pd_metrics(srv, timeout: float = 15.0) -> dict:
+def pd_metrics(srv, requests: int, timeout: float = 15.0) -> dict:
     """``kv_canary_pd_{requests,slots}_total`` of one side from its ``/metrics``, once the server
-    has gone idle (when the canary brings its metrics up to date) and they show the requests."""
+    has gone idle (when the canary brings its metrics up to date) and they show ``requests``
+    requests (or what they show after ``timeout`` seconds)."""
     deadline = time.monotonic() + timeout
     while True:
         text = srv.get("/metrics")
         counts = {(what, side): int(float(v)) for what, side, v in re.findall(
             r'kv_canary_pd_(requests|slots)_total\{side="(\w+)"\} (\S+)', text)}
-        if len(counts) == 2 or time.monotonic() > deadline:
+        done = any(what == "requests" and v == requests for (what, _), v in counts.items())
+        if (len(counts) == 2 and done) or time.monotonic() > deadline:
             return counts
         time.sleep(0.5)
 
@@ -63,7 +65,8 @@ def test_pd_is_guarded_with_the_stock_tokens(model_dir, stock, tmp_path):
             "--enable-metrics"]
     with PDCluster(model_dir, tmp_path, args, args) as pd:
         replies = run_prompts(pd)
-        sent, received = pd_metrics(pd.prefill), pd_metrics(pd.decode)
+        sent, received = (pd_metrics(pd.prefill, len(PROMPTS)),
+                              pd_metrics(pd.decode, len(PROMPTS)))
         logs = {side: srv.log() for side, srv in (("prefill", pd.prefill), ("decode", pd.decode))}
         reports = pd.prefill.reports() + pd.decode.reports()
     assert reports == [], logs["decode"][-3000:]

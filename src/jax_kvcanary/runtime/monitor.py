@@ -188,6 +188,8 @@ class Monitor:
         self._local = None          # the global device index of each block this process decodes
         self._copies = None         # whether readbacks start a device-to-host copy (not on CPU)
         self._next_full = 0         # the first step due more than the write_index check
+        self._last = None           # (host snapshot, step) of the last readback decoded
+        self._counted = None        # the step whose counters ``counters`` holds
 
     @classmethod
     def from_config(cls, config: CanaryConfig, **kw) -> "Monitor":
@@ -272,6 +274,17 @@ class Monitor:
             new += self._decode(snap, snap_step)
         return new
 
+    def refresh_counters(self) -> bool:
+        """Decode in full the counters of the last readback decoded, if ``counters`` is older
+        (between full decodes only ``write_index`` is read: e.g. once the server has gone idle,
+        for the metrics). Returns whether ``counters`` changed."""
+        if self._last is None or self._counted == self._last[1]:
+            return False
+        host, step = self._last
+        self.counters = CounterSnapshot.decode(host, int(self._state.kernel_run_counters.shape[-2]))
+        self._counted = step
+        return True
+
     def ring_recycled(self) -> None:
         """The owner of the state has reset the device ring's ``write_index`` to 0 (every row
         decoded first: call it with no readback pending). Later rows are numbered from 0 again;
@@ -283,6 +296,7 @@ class Monitor:
         wi = self._watermark              # the write_index of the last launch, every row decoded
         self._recycled = wi if self._recycled is None else self._recycled + wi
         self._set_watermark(np.zeros_like(wi))
+        self._last = None                 # its write_index is from before the reset
         self.everywhere = 0
         if self.counters is not None:
             self.counters = dataclasses.replace(self.counters, write_index=np.zeros_like(wi))
@@ -335,6 +349,7 @@ class Monitor:
             host, everywhere = np.asarray(snap), self.everywhere
             if self._local is None:
                 self._local = list(range(host.shape[0] if host.ndim > 1 else 1))
+        self._last = (host, snap_step)
         if (not full and everywhere <= self.everywhere and self._marks is not None
                 and not self._moved(host)):
             if snap_step < self._next_full:    # every step: the write_index check alone
@@ -348,7 +363,7 @@ class Monitor:
         log = self._state
         num_tags = int(log.kernel_run_counters.shape[-2])
         counters = CounterSnapshot.decode(host, num_tags)
-        self.counters = counters
+        self.counters, self._counted = counters, snap_step
         multi = log.write_index.ndim == 2
         ndev = counters.write_index.shape[0]
         if self._watermark is None:

@@ -895,7 +895,10 @@ class SglangJaxCanary:
             new = self.monitor.flush(close_episodes=False) if self.monitor.pending else []
             # with several processes the ring is reset only at a gate, where every process
             # decides at the same step (the reset is a launch over all of them)
-            self._after_readback(new + (self._recycle_ring() if self.processes == 1 else []))
+            new += self._recycle_ring() if self.processes == 1 else []
+            if self.metrics is not None:           # the metrics as of the last step
+                self.monitor.refresh_counters()
+            self._after_readback(new)
             if close:
                 self.monitor.close_episodes()
             return True
