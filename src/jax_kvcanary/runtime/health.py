@@ -30,10 +30,6 @@ class HealthCheck:
         self.checks = 0
         self.ok = True
 
-    def due(self, step: int) -> bool:
-        """Whether ``observe(step, ...)`` would check (or take its first baseline)."""
-        return step >= self.next_due(step)
-
     def next_due(self, step: int) -> float:
         """The first step from ``step`` on at which ``observe`` checks (or takes its first
         baseline): ``step`` itself before the first baseline, infinity when disabled."""

@@ -350,18 +350,17 @@ class Monitor:
             if self._local is None:
                 self._local = list(range(host.shape[0] if host.ndim > 1 else 1))
         self._last = (host, snap_step)
-        if (not full and everywhere <= self.everywhere and self._marks is not None
-                and not self._moved(host)):
-            if snap_step < self._next_full:    # every step: the write_index check alone
-                return []
-            num_tags = int(self._state.kernel_run_counters.shape[-2])
-            if not self._counters_due(snap_step):   # a health check: the kernel-run counters
-                blocks = host.reshape(-1, host.shape[-1])
-                self.health.observe(snap_step, blocks[:, 4:4 + 8 * num_tags].copy().view("<i8"))
-                self._next_full = self._next_full_step(snap_step)
-                return []
+        quiet = (not full and everywhere <= self.everywhere and self._marks is not None
+                 and not self._moved(host))
+        if quiet and snap_step < self._next_full:     # every step: the write_index check alone
+            return []
         log = self._state
         num_tags = int(log.kernel_run_counters.shape[-2])
+        if quiet and not self._counters_due(snap_step):   # a health check: kernel-run counters
+            blocks = host.reshape(-1, host.shape[-1])
+            self.health.observe(snap_step, blocks[:, 4:4 + 8 * num_tags].copy().view("<i8"))
+            self._next_full = self._next_full_step(snap_step)
+            return []
         counters = CounterSnapshot.decode(host, num_tags)
         self.counters, self._counted = counters, snap_step
         multi = log.write_index.ndim == 2

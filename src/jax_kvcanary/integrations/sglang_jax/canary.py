@@ -650,7 +650,7 @@ class SglangJaxCanary:
     # -- per step -------------------------------------------------------------------------------
     def _run_model(self, forward_batch, logits_metadata):
         self.steps += 1
-        if self.step_hooks and not self.warming:
+        if not self.warming:
             for hook in self.step_hooks:               # fault injection (not canary work)
                 hook(forward_batch)
         t0 = time.thread_time()
@@ -694,8 +694,7 @@ class SglangJaxCanary:
                 self._remember(StepRecord(getattr(forward_batch, "bid", None), arrays, decode))
                 if not self.gated:
                     new += self._recycle_ring()
-                if new or self.metrics is not None or self.processes > 1:
-                    self._after_readback(new)
+                self._after_readback(new)
             except BaseException:
                 # mode 'raise' (or a health failure): the step has donated the KV pool already,
                 # so hand the engine its new buffers before raising, as its own forward would
@@ -809,10 +808,8 @@ class SglangJaxCanary:
                     # every process's counters of this step, summed on every process (node 0
                     # serves them on /metrics)
                     self.metrics.update(CanaryTotals.everywhere(self), self.protected_tokens())
-            if self.monitor.ring_has_rows:
-                new += self._recycle_ring()
-            if new or self.metrics is not None:
-                self._after_readback(new, shared=True)
+            new += self._recycle_ring()
+            self._after_readback(new, shared=True)
         for hook in self.gate_hooks:
             hook(batch, step)
         return step
